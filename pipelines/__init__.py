@@ -1,0 +1,1 @@
+"""KFP pipelines built from the stage components; ``compiled/`` holds their IR YAML (`kfrl compile`)."""

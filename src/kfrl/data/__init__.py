@@ -1,0 +1,1 @@
+"""Datasets in veRL's RL row schema."""

@@ -1,0 +1,1 @@
+"""Model building blocks: the builtin tiny model and HF directory I/O."""

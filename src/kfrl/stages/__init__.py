@@ -1,0 +1,80 @@
+"""Pipeline stages: plain functions over URIs. ``run_stage(name, run_uri, iteration)`` is the one
+entry point that KFP components, the inline runner and tests call.
+
+A stage reads its inputs from committed manifests of the run's store, writes only its own
+outputs under a fresh attempt prefix, and publishes them with one manifest. Running a committed
+stage again is a no-op that returns the committed result, so retries and resumed runs never
+redo or damage finished work.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kfrl.stages.context import StageContext, StageInputError, stage_prefix
+
+# Execution order within one iteration (a valid topological order of the DAG).
+STAGES = ("rollout", "score", "old_logprob", "ref_logprob", "advantage", "update_actor")
+
+# veRL's timing_s/<name> for each stage, so kfrl runs compare with veRL runs.
+TIMING_NAMES = {"rollout": "gen", "score": "reward", "old_logprob": "old_log_prob", "ref_logprob": "ref",
+                "advantage": "adv", "update_actor": "update_actor"}
+
+
+@dataclass
+class StageResult:
+    stage: str
+    uri: str
+    metrics: dict
+    cached: bool     # already committed before this call
+    skipped: str     # why the algorithm does not need it ("" when it ran)
+
+
+def _functions() -> dict[str, Callable]:
+    from kfrl.stages.advantage import advantage
+    from kfrl.stages.logprob import old_logprob, ref_logprob
+    from kfrl.stages.rollout import rollout
+    from kfrl.stages.score import score
+    from kfrl.stages.update import update_actor
+
+    return {"rollout": rollout, "score": score, "old_logprob": old_logprob, "ref_logprob": ref_logprob,
+            "advantage": advantage, "update_actor": update_actor}
+
+
+def skip_reason(stage: str, config) -> str:
+    """Why ``stage`` is not needed under ``config`` ("" when it is)."""
+    if stage == "ref_logprob" and not config.use_ref:
+        return "no KL term uses a reference policy (actor.use_kl_loss=false)"
+    if stage == "old_logprob" and not config.recompute_old_logprobs:
+        return "on-policy: one mini-batch and one epoch make old log-probs equal to the update's own"
+    return ""
+
+
+def plan(config) -> dict[str, str]:
+    """Stage → "" (runs) or the reason it is skipped."""
+    return {stage: skip_reason(stage, config) for stage in STAGES}
+
+
+def run_stage(stage: str, run_uri: str, iteration: int) -> StageResult:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage '{stage}'; stages are {', '.join(STAGES)}")
+    ctx = StageContext.open(run_uri, iteration)
+    prefix = stage_prefix(iteration, stage)
+    existing = ctx.store.manifest(prefix)
+    if existing is not None:
+        return StageResult(stage, ctx.store.url(prefix), dict(existing.metrics), True,
+                           existing.info.get("skipped", ""))
+    attempt = ctx.store.open_attempt(prefix)
+    reason = skip_reason(stage, ctx.config)
+    if reason:
+        manifest = attempt.commit(info={"skipped": reason})
+        return StageResult(stage, ctx.store.url(prefix), {}, False, reason)
+    started = time.perf_counter()
+    metrics = _functions()[stage](ctx, attempt)
+    metrics[f"timing_s/{TIMING_NAMES[stage]}"] = time.perf_counter() - started
+    manifest = attempt.commit(metrics=metrics, info={"iteration": iteration})
+    return StageResult(stage, ctx.store.url(prefix), dict(manifest.metrics), False, "")
+
+
+__all__ = ["STAGES", "TIMING_NAMES", "StageResult", "StageInputError", "plan", "run_stage", "skip_reason"]

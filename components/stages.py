@@ -1,0 +1,46 @@
+"""The stage components. Bodies import inside the function: KFP ships only the function's source."""
+import os
+
+from kfp import dsl
+from kfp.dsl import Metrics, Output
+
+# The component image on a cluster; the local runner ignores it. Override at compile time with
+# KFRL_IMAGE (see `kfrl compile --image`).
+IMAGE = os.environ.get("KFRL_IMAGE", "ghcr.io/kfrl/kfrl:0.1.0")
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def rollout_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("rollout", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def score_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("score", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def old_logprob_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("old_logprob", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def ref_logprob_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("ref_logprob", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def advantage_op(run_uri: str, iteration: int, score_uri: str, old_logprob_uri: str, ref_logprob_uri: str,
+                 metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("advantage", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def update_actor_op(run_uri: str, iteration: int, advantage_uri: str, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("update_actor", run_uri, iteration, metrics)

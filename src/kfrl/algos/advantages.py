@@ -1,0 +1,288 @@
+"""Advantage estimators: `advantage(estimator, token_level_rewards, response_mask, ...)`.
+
+Each estimator turns per-token rewards of shape (bs, L) into `(advantages, returns)` of the same
+shape, with veRL v0.7.1's numbers (`verl/trainer/ppo/core_algos.py`). Outcome-reward estimators
+use the sequence score s_i = sum_t r_it (the reward sits on the last valid token) and compare it
+with the other responses to the same prompt: the group of i is every j with index[j] == index[i].
+
+Group statistics are computed for all groups at once with scatter ops (index_add / scatter_reduce)
+instead of veRL's Python loop over samples; GAE and REINFORCE++ scan the L time steps in reverse
+with tensor ops over the batch, exactly like veRL's loop.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kfrl.algos.core import masked_whiten, resolve_choice
+
+ESTIMATORS: tuple[str, ...] = (
+    "gae",
+    "grpo",
+    "rloo",
+    "opo",
+    "gpg",
+    "grpo_passk",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """Per-sample view of the prompt groups: which group, and how large it is."""
+
+    ids: torch.Tensor  # (bs,) long, 0..num_groups-1
+    num_groups: int
+    size_of_sample: torch.Tensor  # (bs,) float: n_g of each sample's group
+
+    def total(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """Sum of `per_sample` over each group, shape (num_groups,)."""
+        return per_sample.new_zeros(self.num_groups).index_add(0, self.ids, per_sample)
+
+    def mean_of_sample(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """Group mean of `per_sample`, broadcast back to each sample, shape (bs,)."""
+        return self.total(per_sample)[self.ids] / self.size_of_sample
+
+    def unbiased_std_of_sample(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """Group standard deviation with the N-1 (Bessel) denominator, like torch.std; NaN for
+        singleton groups (callers replace it)."""
+        squared_deviation = (per_sample - self.mean_of_sample(per_sample)) ** 2
+        return (self.total(squared_deviation)[self.ids] / (self.size_of_sample - 1)).sqrt()
+
+
+def _prompt_groups(index: Any, batch_size: int, device: torch.device, dtype: torch.dtype) -> _Groups:
+    if index is None:
+        raise ValueError("this advantage estimator needs `index` (one prompt-group id per sample, e.g. the uid)")
+    # Tensors/arrays → python scalars, so that ids compare by value (a 0-d tensor hashes by identity).
+    ids_as_list = index.tolist() if hasattr(index, "tolist") else list(index)
+    if len(ids_as_list) != batch_size:
+        raise ValueError(f"index has {len(ids_as_list)} entries for a batch of {batch_size} responses")
+    group_number: dict[Any, int] = {}
+    ids = torch.tensor([group_number.setdefault(key, len(group_number)) for key in ids_as_list],
+                       dtype=torch.long, device=device)
+    counts = torch.bincount(ids, minlength=len(group_number)).to(dtype)
+    return _Groups(ids=ids, num_groups=len(group_number), size_of_sample=counts[ids])
+
+
+def _broadcast_over_tokens(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One scalar per response, copied to each of its valid tokens, 0 elsewhere."""
+    return per_sequence.unsqueeze(-1) * mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Critic-based: GAE.
+# ---------------------------------------------------------------------------------------------
+
+
+def gae_advantage(rewards, values, mask, gamma: float, lam: float):
+    """Generalised Advantage Estimation (Schulman et al. 2015), veRL flavour.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t ;  A_t = delta_t + gamma * lam * A_{t+1}.
+    Tokens with mask 0 (padding, tool-observation spans) are skipped: they neither contribute a
+    TD error nor break the chain; V_{t+1} / A_{t+1} carry through them from the next valid token,
+    and the position reports the carried A. returns = A + V (raw); advantages = A whitened over
+    the valid tokens of the whole batch (applied to every position).
+    """
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(rewards.shape[-1])):
+        td_error = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage_t = td_error + gamma * lam * next_advantage
+        valid = mask[:, t]
+        next_value = values[:, t] * valid + (1 - valid) * next_value
+        next_advantage = advantage_t * valid + (1 - valid) * next_advantage
+        advantages_reversed.append(next_advantage)
+    raw_advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = raw_advantages + values
+    return masked_whiten(raw_advantages, mask), returns
+
+
+# ---------------------------------------------------------------------------------------------
+# Group baselines (outcome reward).
+# ---------------------------------------------------------------------------------------------
+
+
+def grpo_advantage(scores, mask, groups: _Groups, norm_by_std: bool, epsilon: float):
+    """GRPO (Shao et al. 2024): a_i = (s_i - mean_g) / (std_g + eps), std unbiased (N-1).
+
+    norm_by_std=False is Dr.GRPO (Liu et al. 2025): a_i = s_i - mean_g. A singleton group uses
+    mean 0 and std 1 (its score passes through, / (1 + eps)); a group of equal scores gets 0.
+    """
+    is_singleton = groups.size_of_sample == 1
+    group_mean = torch.where(is_singleton, torch.zeros_like(scores), groups.mean_of_sample(scores))
+    if norm_by_std:
+        group_std = torch.where(is_singleton, torch.ones_like(scores), groups.unbiased_std_of_sample(scores))
+        per_sequence = (scores - group_mean) / (group_std + epsilon)
+    else:
+        per_sequence = scores - group_mean
+    advantages = _broadcast_over_tokens(per_sequence, mask)
+    return advantages, advantages.clone()
+
+
+def grpo_passk_advantage(scores, mask, groups: _Groups, norm_by_std: bool, epsilon: float):
+    """Pass@k training (Chen et al. 2025, arXiv:2503.19595): only the best response of each group
+    is credited, with r_max - r_second_max (/ (std_g + eps) if norm_by_std); all others get 0.
+
+    Needs groups of at least 2. On a tie for the maximum the credit is 0 whichever response holds
+    it, so the choice of the tied response does not matter.
+    """
+    if bool((groups.size_of_sample < 2).any()):
+        raise ValueError("grpo_passk needs at least 2 responses per prompt group; found a singleton group")
+    sample_position = torch.arange(scores.shape[0], device=scores.device)
+    group_max = scores.new_full((groups.num_groups,), float("-inf")).scatter_reduce(
+        0, groups.ids, scores, reduce="amax")
+    # The best response: the first position that reaches the group maximum.
+    reaches_max = scores == group_max[groups.ids]
+    best_position = torch.full((groups.num_groups,), scores.shape[0], device=scores.device).scatter_reduce(
+        0, groups.ids, torch.where(reaches_max, sample_position, scores.shape[0]), reduce="amin")
+    is_best = sample_position == best_position[groups.ids]
+    second_max = scores.new_full((groups.num_groups,), float("-inf")).scatter_reduce(
+        0, groups.ids, scores.masked_fill(is_best, float("-inf")), reduce="amax")
+    margin = (group_max - second_max)[groups.ids]
+    if norm_by_std:
+        margin = margin / (groups.unbiased_std_of_sample(scores) + epsilon)
+    per_sequence = torch.where(is_best, margin, torch.zeros_like(scores))
+    advantages = _broadcast_over_tokens(per_sequence, mask)
+    return advantages, advantages.clone()
+
+
+def rloo_advantage(scores, mask, groups: _Groups):
+    """RLOO (Ahmadian et al. 2024): a_i = s_i - mean of the *other* responses of the group,
+    computed as veRL does: s_i * n/(n-1) - mean_g * n/(n-1). A singleton keeps its raw score."""
+    n = groups.size_of_sample
+    leave_one_out = scores * n / (n - 1).clamp(min=1) - groups.mean_of_sample(scores) * n / (n - 1).clamp(min=1)
+    per_sequence = torch.where(n > 1, leave_one_out, scores)
+    advantages = _broadcast_over_tokens(per_sequence, mask)
+    return advantages, advantages.clone()
+
+
+def opo_advantage(scores, mask, groups: _Groups):
+    """OPO (Hao et al. 2025, arXiv:2505.23585): baseline = length-weighted group mean
+    sum_j(len_j * s_j) / sum_j(len_j), len = number of valid tokens. Singleton baseline: 0."""
+    lengths = mask.sum(dim=-1)
+    weighted_mean = (groups.total(lengths * scores) / groups.total(lengths))[groups.ids]
+    baseline = torch.where(groups.size_of_sample > 1, weighted_mean, torch.zeros_like(scores))
+    advantages = _broadcast_over_tokens(scores - baseline, mask)
+    return advantages, advantages.clone()
+
+
+def gpg_advantage(scores, mask, groups: _Groups, f_norm: float = 1.0):
+    """GPG (Chu et al. 2025): a_i = alpha * (s_i - mean_g) / f_norm with
+    alpha = bs / max(#responses with a non-zero score, 1), which rescales the gradient up when
+    few responses are rewarded. Singleton mean: 0. (veRL computes but never uses the group std.)"""
+    batch_size = scores.shape[0]
+    alpha = batch_size / torch.count_nonzero(scores).clamp(min=1)
+    group_mean = torch.where(groups.size_of_sample > 1, groups.mean_of_sample(scores), torch.zeros_like(scores))
+    advantages = _broadcast_over_tokens(alpha * (scores - group_mean) / f_norm, mask)
+    return advantages, advantages.clone()
+
+
+def reinforce_plus_plus_baseline_advantage(scores, mask, groups: _Groups):
+    """REINFORCE++ with a group baseline (Hu 2025): s_i - mean_g (singleton mean 0) on every valid
+    token, then whitened over all valid tokens of the batch and re-masked."""
+    group_mean = torch.where(groups.size_of_sample > 1, groups.mean_of_sample(scores), torch.zeros_like(scores))
+    per_token = (scores - group_mean).unsqueeze(-1).expand_as(mask) * mask
+    advantages = masked_whiten(per_token, mask) * mask
+    return advantages, advantages.clone()
+
+
+# ---------------------------------------------------------------------------------------------
+# Return-based: REINFORCE++ and ReMax.
+# ---------------------------------------------------------------------------------------------
+
+
+def reinforce_plus_plus_advantage(rewards, mask, gamma: float):
+    """REINFORCE++ (Hu 2025): discounted return G_t = r_t + gamma * G_{t+1}, whitened over the
+    batch's valid tokens and re-masked.
+
+    veRL v0.7.1 quirk kept for parity: G is reset to 0 *after* each masked position (G_{t+1}
+    is multiplied by mask_t), so a hole in the mask cuts the return of the tokens before it; and
+    `returns` at masked positions holds r_t + gamma * G_{t+1}, not 0.
+    """
+    running_return = torch.zeros_like(rewards[:, 0])
+    returns_reversed = []
+    for t in reversed(range(rewards.shape[-1])):
+        running_return = rewards[:, t] + gamma * running_return
+        returns_reversed.append(running_return)
+        running_return = running_return * mask[:, t]
+    returns = torch.stack(returns_reversed[::-1], dim=1)
+    advantages = masked_whiten(returns, mask) * mask
+    return advantages, returns
+
+
+def remax_advantage(rewards, mask, reward_baselines):
+    """ReMax (Li et al. 2023): the baseline is the reward of the greedy response to the same
+    prompt. returns = reverse cumulative sum of the masked rewards; advantages = returns -
+    baseline on valid tokens (masked positions keep their return; no whitening)."""
+    if reward_baselines is None:
+        raise ValueError("remax needs `reward_baselines` (bs,): the reward of a greedy rollout per prompt")
+    returns = (rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    advantages = returns - reward_baselines.to(returns.dtype).unsqueeze(-1) * mask
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatcher.
+# ---------------------------------------------------------------------------------------------
+
+
+def advantage(
+    estimator: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: Sequence[Any] | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compute `(advantages, returns)`, both (bs, L), with the named estimator.
+
+    estimator: one of ESTIMATORS. `index` (prompt-group ids) is required by the group estimators,
+    `values` by "gae", `reward_baselines` by "remax". `gamma` is used by gae and
+    reinforce_plus_plus, `lam` by gae, `norm_adv_by_std` (False = Dr.GRPO) and `epsilon` by grpo
+    and grpo_passk. Gradients never flow through the result (computed under no_grad).
+    """
+    estimator = resolve_choice(estimator, ESTIMATORS, "advantage estimator")
+    if token_level_rewards.dim() != 2 or response_mask.shape != token_level_rewards.shape:
+        raise ValueError(
+            f"token_level_rewards and response_mask must both be (bs, L); got "
+            f"{tuple(token_level_rewards.shape)} and {tuple(response_mask.shape)}")
+
+    with torch.no_grad():
+        rewards = token_level_rewards.detach()
+        # A float copy of the mask, so that (1 - mask) and products work for bool/int masks too.
+        mask = response_mask.detach().to(rewards.dtype)
+
+        if estimator == "gae":
+            if values is None:
+                raise ValueError("gae needs `values` (bs, L): the critic's value of each response token")
+            return gae_advantage(rewards, values.detach().to(rewards.dtype), mask, gamma, lam)
+        if estimator == "reinforce_plus_plus":
+            return reinforce_plus_plus_advantage(rewards, mask, gamma)
+        if estimator == "remax":
+            return remax_advantage(rewards, mask, reward_baselines)
+
+        scores = rewards.sum(dim=-1)
+        groups = _prompt_groups(index, scores.shape[0], scores.device, scores.dtype)
+        if estimator == "grpo":
+            return grpo_advantage(scores, mask, groups, norm_adv_by_std, epsilon)
+        if estimator == "grpo_passk":
+            return grpo_passk_advantage(scores, mask, groups, norm_adv_by_std, epsilon)
+        if estimator == "rloo":
+            return rloo_advantage(scores, mask, groups)
+        if estimator == "opo":
+            return opo_advantage(scores, mask, groups)
+        if estimator == "gpg":
+            return gpg_advantage(scores, mask, groups)
+        assert estimator == "reinforce_plus_plus_baseline", estimator
+        return reinforce_plus_plus_baseline_advantage(scores, mask, groups)

@@ -1,0 +1,300 @@
+"""The one typed run config: sections, defaults, YAML loading and dotted ``key=value`` overrides.
+
+Names follow veRL where the concept is the same (``train_batch_size`` counts prompts,
+``ppo_mini_batch_size`` counts prompts, ``ppo_micro_batch_size_per_gpu`` counts trajectories), so a
+veRL user can read this file as a map. Every section forbids unknown keys: a typo is an error that
+names the key and the nearest valid one.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix: names the key, the bad value and what would be valid."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    # Parquet file(s) in veRL's RL-dataset schema, or "builtin:arith" for the synthetic task.
+    train_files: str = "builtin:arith"
+    val_files: Optional[str] = None
+    train_batch_size: int = Field(8, ge=1, description="prompts per iteration")
+    max_prompt_length: int = Field(64, ge=1)
+    max_response_length: int = Field(16, ge=1)
+    prompt_key: str = "prompt"
+    shuffle: bool = True
+    seed: int = 1
+    # Size of the builtin synthetic dataset (ignored for real files).
+    builtin_train_size: int = Field(2048, ge=1)
+    builtin_val_size: int = Field(128, ge=1)
+
+
+class ModelConfig(Section):
+    # An HF directory (local or in the store) or "builtin:tiny-qwen2-arith" (built and cached on first use).
+    path: str = "builtin:tiny-qwen2-arith"
+    # "auto": bfloat16 on CUDA, float32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class RolloutConfig(Section):
+    name: Literal["hf", "vllm"] = "hf"
+    n: int = Field(4, ge=1, description="responses per prompt")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    # Prompts per generate() call; 0 = all at once.
+    micro_batch_size: int = Field(0, ge=0)
+    log_prob_micro_batch_size_per_gpu: int = Field(64, ge=1)
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal["grpo"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+
+
+class ActorConfig(Section):
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_mini_batch_size: int = Field(8, ge=1, description="prompts per optimizer step")
+    ppo_micro_batch_size_per_gpu: int = Field(8, ge=1, description="trajectories per forward/backward")
+    ppo_epochs: int = Field(1, ge=1)
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = Field(3.0, gt=1)
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+
+
+class RewardConfig(Section):
+    # "rule": score with the registry keyed by each row's data_source (kfrl.rewards).
+    name: Literal["rule"] = "rule"
+
+
+class TrainerConfig(Section):
+    project_name: str = "kfrl"
+    experiment_name: str = "demo"
+    total_iterations: int = Field(4, ge=1)
+    save_freq: int = Field(-1, description="register a checkpoint every k iterations (and at the end); -1 = only at the end")
+    seed: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Generations logged to MLflow as a table, per iteration.
+    log_generations: int = Field(8, ge=0)
+
+
+class StoreConfig(Section):
+    # Local folder, file:// or s3://bucket/prefix. S3 endpoint and credentials come from AWS_* variables.
+    uri: str = "./kfrl-runs/store"
+    retries: int = Field(4, ge=0)
+
+
+class TrackingConfig(Section):
+    # "" = embedded default (SQLite under ./kfrl-runs), or an MLflow server URL.
+    uri: str = ""
+    experiment_name: str = ""  # "" = trainer.project_name
+    registered_model_name: str = ""  # "" = "<project>-<experiment>-policy"
+
+
+class PipelineConfig(Section):
+    # local: kfp.local SubprocessRunner; inline: call the stage functions in this process (no KFP);
+    # kfp: submit to a KFP cluster with kfp.Client.
+    runner: Literal["local", "inline", "kfp"] = "local"
+    host: str = ""
+    pipeline_root: str = "./kfrl-runs/kfp"
+    image: str = "ghcr.io/kfrl/kfrl:latest"
+    run_timeout_s: int = 3600
+
+
+class Config(Section):
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    actor: ActorConfig = ActorConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    store: StoreConfig = StoreConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+
+    @model_validator(mode="after")
+    def _check_batch_sizes(self) -> "Config":
+        if self.data.train_batch_size % self.actor.ppo_mini_batch_size != 0:
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
+                f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size})"
+            )
+        return self
+
+    # --- derived quantities (one place, so stages agree) -------------------------------------
+    @property
+    def mini_batch_trajectories(self) -> int:
+        return self.actor.ppo_mini_batch_size * self.rollout.n
+
+    @property
+    def n_mini_batches(self) -> int:
+        return self.data.train_batch_size // self.actor.ppo_mini_batch_size
+
+    @property
+    def use_ref(self) -> bool:
+        return self.actor.use_kl_loss
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        # veRL's on-policy shortcut: one mini-batch and one epoch make old == new, so the
+        # update uses log_prob.detach() and the separate old-logprob pass is not needed.
+        return not (self.n_mini_batches == 1 and self.actor.ppo_epochs == 1)
+
+    @property
+    def registered_model_name(self) -> str:
+        return self.tracking.registered_model_name or f"{self.trainer.project_name}-{self.trainer.experiment_name}-policy"
+
+    @property
+    def tracking_experiment(self) -> str:
+        return self.tracking.experiment_name or self.trainer.project_name
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        return flatten(self.model_dump(mode="json"))
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(valid_keys(ann, f"{prefix}{name}."))
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def nearest_key(key: str, candidates: list[str] | None = None) -> str | None:
+    candidates = candidates if candidates is not None else valid_keys()
+    # Compare the full dotted key, then the last part alone (catches a right name in a wrong section).
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if match:
+        return match[0]
+    leaf = key.rsplit(".", 1)[-1]
+    by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+    match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+    return by_leaf[match[0]] if match else None
+
+
+def _unknown_key_error(key: str) -> ConfigError:
+    hint = nearest_key(key)
+    msg = f"unknown config key '{key}'"
+    if hint:
+        msg += f"; did you mean '{hint}'?"
+    return ConfigError(msg + " (`kfrl train --dry-run` prints every key with its value)")
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: YAML scalars and flow collections (``3``, ``1e-6``, ``true``, ``[a, b]``, ``null``)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise _unknown_key_error(key)
+        node = child
+    node[parts[-1]] = value
+
+
+def _check_keys(tree: dict, model: type[BaseModel], prefix: str = "") -> None:
+    for key, value in tree.items():
+        full = f"{prefix}{key}"
+        field = model.model_fields.get(key)
+        if field is None:
+            # Name the whole dotted key the user wrote (``rolout.n``), not just its first part.
+            leaf = next(iter(flatten(value)), None) if isinstance(value, dict) else None
+            raise _unknown_key_error(f"{full}.{leaf}" if leaf else full)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{full}' is a section; give its keys, e.g. '{full}.{next(iter(ann.model_fields))}=...'")
+            _check_keys(value, ann, full + ".")
+
+
+def _validation_error(err: ValidationError) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        given = e.get("input")
+        given_txt = "" if isinstance(given, dict) else f" (got {json.dumps(given, default=str)})"
+        lines.append(f"{key}: {e['msg']}{given_txt}")
+    return ConfigError("invalid config:\n  " + "\n  ".join(lines))
+
+
+def build_config(tree: dict) -> Config:
+    _check_keys(tree, Config)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise _validation_error(err) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """YAML file (optional) + ``section.key=value`` overrides → validated Config."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+        tree = loaded
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value (e.g. actor.lr=1e-5)")
+        key, _, raw = item.partition("=")
+        key = key.strip().lstrip("+")
+        set_dotted(tree, key, parse_value(raw))
+    return build_config(tree)
+
+
+def config_from_yaml_text(text: str) -> Config:
+    return build_config(yaml.safe_load(text) or {})

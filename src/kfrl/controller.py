@@ -1,0 +1,207 @@
+"""Drives a training run: new or resumed, one pipeline run per iteration, then records it.
+
+The store is the source of truth. ``LATEST`` names the last iteration whose stages are committed
+and whose metrics are recorded; a re-run starts after it, and any stage of the next iteration that
+was already committed is not redone.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kfrl.config import Config, config_from_yaml_text
+from kfrl.stages import STAGES, TIMING_NAMES, plan
+from kfrl.stages.context import CONFIG_FILE, stage_prefix
+from kfrl.store import Store
+
+# Sections that say where and how a run executes, not what it computes: a resumed run takes them
+# from the current invocation, everything else from the stored config.
+EXECUTION_SECTIONS = ("store", "tracking", "pipeline")
+# Later entries win when stages report the same metric (veRL reports actor/entropy from old_log_prob).
+METRIC_ORDER = ("rollout", "score", "ref_logprob", "advantage", "update_actor", "old_logprob")
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+@dataclass
+class TrainSummary:
+    run_id: str
+    run_uri: str
+    mlflow_run_id: str
+    iterations: dict[int, dict[str, float]] = field(default_factory=dict)
+    resumed_from: int = 0
+    registered_versions: dict[int, str] = field(default_factory=dict)
+
+
+def resolve_resume(stored: Config, given: Config, total_iterations: int | None) -> tuple[Config, list[str]]:
+    """The config of a resumed run and the differences the user asked for that do not apply."""
+    tree = stored.model_dump(mode="json")
+    given_tree = given.model_dump(mode="json")
+    ignored = []
+    for section, values in given_tree.items():
+        if section in EXECUTION_SECTIONS:
+            tree[section] = values
+            continue
+        for key, value in values.items():
+            if section == "trainer" and key == "total_iterations":
+                continue
+            if tree[section].get(key) != value:
+                ignored.append(f"{section}.{key}")
+    tree["trainer"]["total_iterations"] = total_iterations or given.trainer.total_iterations
+    return Config.model_validate(tree), ignored
+
+
+def collect_metrics(store: Store, iteration: int) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for stage in METRIC_ORDER:
+        manifest = store.manifest(stage_prefix(iteration, stage))
+        if manifest is not None:
+            metrics.update({k: float(v) for k, v in manifest.metrics.items()})
+    return metrics
+
+
+def generation_rows(store: Store, iteration: int, limit: int) -> list[dict]:
+    """A few (prompt, response, score) rows for the MLflow table."""
+    if limit <= 0:
+        return []
+    from kfrl.stages.context import StageContext
+
+    ctx = StageContext.open(store.uri, iteration)
+    table = ctx.read_groups("rollout", "score").slice(0, limit)
+    tokenizer = ctx.load_tokenizer(ctx.policy_manifest(0))
+    prompts = tokenizer.batch_decode(table.column("prompt_ids").to_pylist(), skip_special_tokens=False)
+    responses = tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=False)
+    return [{"iteration": iteration, "sample_id": s, "uid": u, "policy_version": v, "prompt": p, "response": r,
+             "ground_truth": g, "score": sc}
+            for s, u, v, p, r, g, sc in zip(
+                table.column("sample_id").to_pylist(), table.column("uid").to_pylist(),
+                table.column("policy_version").to_pylist(), prompts, responses,
+                table.column("ground_truth").to_pylist(), table.column("score").to_pylist())]
+
+
+class StageWatcher:
+    """Polls the store for committed stages so the terminal shows where an iteration is."""
+
+    def __init__(self, store: Store, iteration: int, status, label: str, interval: float = 0.5):
+        self.store, self.iteration, self.status, self.label, self.interval = store, iteration, status, label, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.started = time.monotonic()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self):
+        done: set[str] = set()
+        while not self._stop.is_set():
+            for stage in STAGES:
+                if stage not in done:
+                    try:
+                        if self.store.is_committed(stage_prefix(self.iteration, stage)):
+                            done.add(stage)
+                    except Exception:  # the watcher only informs; the runner reports real failures
+                        pass
+            running = next((s for s in STAGES if s not in done), "recording")
+            elapsed = time.monotonic() - self.started
+            self.status.update(f"{self.label} · {running} … ({elapsed:.0f}s, {len(done)}/{len(STAGES)} stages)")
+            self._stop.wait(self.interval)
+
+
+def train(config: Config, *, run_id: str | None = None, iterations: int | None = None, console=None,
+          log_dir: str | Path | None = None) -> TrainSummary:
+    from rich.console import Console
+
+    from kfrl.runners import make_runner
+    from kfrl.stages.prepare import prepare_run
+    from kfrl.tracking import Tracker
+
+    console = console or Console()
+    root = Store(config.store.uri, retries=config.store.retries)
+    root.ping()
+    run_id = run_id or new_run_id()
+    run_uri = root.url(f"{config.trainer.experiment_name}/{run_id}")
+    store = Store(run_uri, retries=config.store.retries)
+
+    if store.exists(CONFIG_FILE):
+        config, ignored = resolve_resume(config_from_yaml_text(store.read_text(CONFIG_FILE)), config, iterations)
+        if ignored:
+            console.print(f"[yellow]resuming {run_id}: its stored config wins for {', '.join(ignored)}[/]")
+    elif iterations:
+        config = config.model_copy(update={"trainer": config.trainer.model_copy(
+            update={"total_iterations": iterations})})
+    total = config.trainer.total_iterations
+    with console.status(f"preparing run {run_id} (data, initial policy)"):
+        prepare_run(store, config)
+    latest = store.get_latest("") or 0
+
+    tracker = Tracker(config.tracking.uri, config.tracking_experiment, run_id, run_name=run_id)
+    tracker.log_params(config.flat())
+    tracker.set_tags({"kfrl.store_uri": run_uri, "kfrl.runner": config.pipeline.runner})
+    summary = TrainSummary(run_id=run_id, run_uri=run_uri, mlflow_run_id=tracker.mlflow_run_id, resumed_from=latest)
+    stage_plan = plan(config)
+    console.print(f"[bold]kfrl[/] run [cyan]{run_id}[/] · store {run_uri} · runner {config.pipeline.runner} · "
+                  f"MLflow run {tracker.mlflow_run_id}")
+    if latest:
+        console.print(f"resuming after iteration {latest} (LATEST); iterations {latest + 1}..{total} to go")
+    skipped = [s for s, why in stage_plan.items() if why]
+    if skipped:
+        console.print(f"stages skipped by this algorithm: {', '.join(skipped)}")
+
+    runner = make_runner(config)
+    logs = Path(log_dir or Path(config.pipeline.pipeline_root) / "logs") / run_id
+    try:
+        for iteration in range(latest + 1, total + 1):
+            label = f"iteration {iteration}/{total}"
+            started = time.perf_counter()
+            with console.status(label) as status, StageWatcher(store, iteration, status, label):
+                runner.run(run_uri, iteration, logs / f"iter-{iteration:06d}.log")
+            step_time = time.perf_counter() - started
+            metrics = record_iteration(store, tracker, config, iteration, step_time, summary)
+            console.print(iteration_line(iteration, total, metrics, stage_plan))
+    except BaseException:
+        tracker.finish("FAILED" if not isinstance(__import__("sys").exc_info()[1], KeyboardInterrupt) else "KILLED")
+        raise
+    tracker.finish("FINISHED")
+    return summary
+
+
+def record_iteration(store: Store, tracker, config: Config, iteration: int, step_time: float,
+                     summary: TrainSummary) -> dict[str, float]:
+    metrics = collect_metrics(store, iteration)
+    metrics["timing_s/step"] = step_time
+    metrics["perf/time_per_step"] = step_time
+    metrics["training/global_step"] = float(iteration)
+    if "perf/total_num_tokens" in metrics and step_time > 0:
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / step_time
+    tracker.log_iteration(iteration, metrics)
+    rows = generation_rows(store, iteration, config.trainer.log_generations)
+    if rows:
+        tracker.log_table(rows, f"generations/iter-{iteration:06d}.json")
+    save = config.trainer.save_freq
+    if iteration == config.trainer.total_iterations or (save > 0 and iteration % save == 0):
+        checkpoint_uri = store.url(stage_prefix(iteration, "update_actor"))
+        summary.registered_versions[iteration] = tracker.register_checkpoint(
+            config.registered_model_name, checkpoint_uri, iteration)
+    store.set_latest("", iteration)
+    summary.iterations[iteration] = metrics
+    return metrics
+
+
+def iteration_line(iteration: int, total: int, metrics: dict[str, float], stage_plan: dict[str, str]) -> str:
+    timings = " ".join(f"{TIMING_NAMES[s]} {metrics.get('timing_s/' + TIMING_NAMES[s], 0):.1f}s"
+                       for s in STAGES if not stage_plan[s])
+    return (f"iter {iteration:>3}/{total}  score {metrics.get('critic/score/mean', float('nan')):.3f}  "
+            f"resp_len {metrics.get('response_length/mean', float('nan')):.1f}  "
+            f"pg_loss {metrics.get('actor/pg_loss', float('nan')):+.4f}  "
+            f"step {metrics['timing_s/step']:.1f}s  ({timings})")

@@ -1,0 +1,57 @@
+"""The training prompts: which rows an iteration uses, and how a row becomes prompt token ids.
+
+veRL's dataloader semantics: ``train_batch_size`` prompts per step, ``drop_last``, a fresh
+shuffle each epoch. Here the rows of iteration N are a pure function of (N, seed), so a resumed
+run never re-reads what earlier iterations consumed and a retried stage reads the same rows.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+
+class DatasetError(ValueError):
+    """A dataset problem that names the file, the row and the column."""
+
+
+def steps_per_epoch(n_rows: int, batch_size: int) -> int:
+    return n_rows // batch_size
+
+
+def iteration_rows(n_rows: int, batch_size: int, iteration: int, *, seed: int, shuffle: bool) -> tuple[int, np.ndarray]:
+    """(epoch, row indices) of iteration ``iteration`` (1-based)."""
+    per_epoch = steps_per_epoch(n_rows, batch_size)
+    if per_epoch == 0:
+        raise DatasetError(f"the training set has {n_rows} rows, fewer than data.train_batch_size={batch_size}")
+    epoch, step = divmod(iteration - 1, per_epoch)
+    order = np.random.default_rng(seed + epoch).permutation(n_rows) if shuffle else np.arange(n_rows)
+    return epoch, order[step * batch_size:(step + 1) * batch_size]
+
+
+def prompt_messages(row: dict, prompt_key: str, source: str) -> list[dict]:
+    messages = row.get(prompt_key)
+    if isinstance(messages, str):
+        messages = json.loads(messages) if messages.startswith("[") else [{"role": "user", "content": messages}]
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise DatasetError(f"{source}: column '{prompt_key}' must hold chat messages "
+                           f"([{{'role': 'user', 'content': ...}}]); got {type(messages).__name__}")
+    return [dict(m) for m in messages]
+
+
+def tokenize_prompt(tokenizer, messages: list[dict], max_length: int, source: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    ids = list(ids)
+    if len(ids) > max_length:
+        raise DatasetError(f"{source}: prompt is {len(ids)} tokens, over data.max_prompt_length={max_length}")
+    return ids
+
+
+def ground_truth_of(row: dict) -> str:
+    reward_model = row.get("reward_model") or {}
+    if isinstance(reward_model, str):
+        reward_model = json.loads(reward_model)
+    value = reward_model.get("ground_truth")
+    return "" if value is None else str(value)

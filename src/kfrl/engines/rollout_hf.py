@@ -1,0 +1,110 @@
+"""Rollout with HF ``generate``: n samples per prompt, sampling logprobs, response masks.
+
+The interface (``generate_responses``) is what every rollout backend implements: prompts in as
+token-id lists, one ``Generation`` per (prompt, sample) out, prompt-major (sample k of prompt p is
+at p * n + k, veRL's ``repeat(n, interleave=True)`` order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Generation:
+    response_ids: list[int]        # up to and including the first EOS (no padding)
+    rollout_logprobs: list[float]  # log-prob of each response token under the sampling distribution
+    finish_reason: str             # "stop" (ended with EOS) or "length"
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    do_sample: bool = True
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def truncate_at_eos(tokens: torch.Tensor, eos_ids: set[int]) -> torch.Tensor:
+    """Valid length of each row: up to and including the first EOS, else the whole row."""
+    is_eos = torch.zeros_like(tokens, dtype=torch.bool)
+    for eos in eos_ids:
+        is_eos |= tokens == eos
+    width = tokens.shape[1]
+    positions = torch.arange(width, device=tokens.device).expand_as(tokens)
+    first_eos = torch.where(is_eos, positions, torch.full_like(positions, width)).min(dim=1).values
+    return torch.clamp(first_eos + 1, max=width), first_eos < width
+
+
+@torch.no_grad()
+def generate_responses(
+    model, tokenizer, prompts: list[list[int]], params: SamplingParams, *, micro_batch_size: int = 0,
+    seed: int | None = None,
+) -> list[Generation]:
+    device = next(model.parameters()).device
+    eos_ids = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    expanded = [p for p in prompts for _ in range(params.n)]
+    step = micro_batch_size * params.n if micro_batch_size > 0 else len(expanded)
+    generator_seed = seed
+    out: list[Generation] = []
+    for start in range(0, len(expanded), step):
+        chunk = expanded[start:start + step]
+        if generator_seed is not None:
+            torch.manual_seed(generator_seed + start)
+        input_ids, attention_mask = left_pad(chunk, pad_id, device)
+        gen_kwargs = dict(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=params.do_sample,
+            pad_token_id=pad_id,
+            eos_token_id=sorted(eos_ids),
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        if params.do_sample:
+            gen_kwargs.update(temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k if params.top_k > 0 else None)
+        result = model.generate(input_ids=input_ids, attention_mask=attention_mask, **gen_kwargs)
+        new_tokens = result.sequences[:, input_ids.shape[1]:]
+        # Raw logits of each step; the sampling distribution is softmax(logits / T).
+        logits = torch.stack(result.logits, dim=1).float()
+        if params.do_sample:
+            logits = logits / params.temperature
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        lengths, stopped = truncate_at_eos(new_tokens, eos_ids)
+        for row in range(new_tokens.shape[0]):
+            n_valid = int(lengths[row])
+            out.append(Generation(
+                response_ids=new_tokens[row, :n_valid].tolist(),
+                rollout_logprobs=logprobs[row, :n_valid].tolist(),
+                finish_reason="stop" if bool(stopped[row]) else "length",
+            ))
+    return out
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    cfg_eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(cfg_eos, int):
+        ids.add(cfg_eos)
+    elif cfg_eos:
+        ids.update(cfg_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the model's generation_config and tokenizer name no EOS token; cannot end responses")
+    return ids

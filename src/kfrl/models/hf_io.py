@@ -1,0 +1,38 @@
+"""Thin helpers to load and save Hugging Face model directories (local paths only)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+def _require_hf_dir(path: str | Path) -> Path:
+    """Fail early with a clear message: from_pretrained would treat a bad path as a hub id."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise FileNotFoundError(
+            f"model path {str(path)!r} {what}; expected a Hugging Face model directory "
+            f"containing config.json (plus weights and tokenizer files)"
+        )
+    return path
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(_require_hf_dir(path))
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> PreTrainedModel:
+    """Load a causal LM from a local HF directory onto `device` (dtype as saved when None)."""
+    model = AutoModelForCausalLM.from_pretrained(_require_hf_dir(path), dtype=dtype or "auto")
+    return model.to(device)
+
+
+def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
+    """Save model (safetensors), its generation config and the tokenizer into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,402 @@
+"""A tiny Qwen2-architecture model for the synthetic arithmetic task, built locally.
+
+Everything here runs on CPU without network access: a small BPE tokenizer
+trained on the task corpus, a random-init ``Qwen2ForCausalLM`` and a short
+SFT warm start, so that RL (GRPO) starts from a policy that is right on part
+of the prompts and therefore gets a non-zero reward signal from iteration 1.
+
+``materialize_builtin("tiny-qwen2-arith")`` packages all of that as an HF
+model directory in a local cache, so pipelines can say ``builtin:tiny-qwen2-arith``
+wherever they would otherwise name a hub model.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from kfrl.data.synthetic import make_arith_rows
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+
+# Qwen's ChatML layout, without Qwen2.5's default system prompt: that prompt
+# would triple the length of every sequence for no benefit on this task.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+# Printable ASCII plus newline and tab; characters outside it are not in the
+# vocabulary (the byte-level pre-tokenizer maps them to bytes that BPE drops).
+# The full 256-byte alphabet would break the "vocab < 200" budget.
+_ASCII_ALPHABET = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+_ROLE_NAMES = ("system", "user", "assistant")
+DEFAULT_TOKENIZER_VOCAB = 160
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _byte_level_alphabet(chars: Iterable[str]) -> list[str]:
+    """The byte-level (GPT-2 style) symbols that encode `chars`."""
+    to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return sorted({piece for ch in chars for piece, _ in to_bytes.pre_tokenize_str(ch)})
+
+
+def _chat_scaffold_texts() -> list[str]:
+    """Texts that teach BPE the chat template's role headers, so they merge."""
+    return [f"{IM_START}{role}\n" for role in _ROLE_NAMES] * 50
+
+
+def build_tokenizer(corpus_texts: Iterable[str], vocab_size: int = DEFAULT_TOKENIZER_VOCAB) -> PreTrainedTokenizerFast:
+    """Train a small byte-level BPE tokenizer on the task corpus.
+
+    Digits are split off one by one *before* BPE runs, so every digit is its
+    own token and numbers are never merged: a multi-digit number then reads
+    digit by digit, which is what makes arithmetic learnable for a tiny model.
+    Regex word splitting is off so that recurring phrases ("What is ", " = ",
+    "\\n#### ") merge into single tokens and sequences stay short.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=_byte_level_alphabet(_ASCII_ALPHABET),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(corpus_texts) + _chat_scaffold_texts(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        padding_side="left",  # generation appends on the right
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=128,
+    )
+
+
+def arith_corpus(rows: Sequence[dict]) -> list[str]:
+    """The texts the tokenizer is trained on: questions and reference solutions."""
+    return [r["extra_info"]["question"] for r in rows] + [r["extra_info"]["answer"] for r in rows]
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class TinyModelShape:
+    hidden_size: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 128
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    hidden_size: int = TinyModelShape.hidden_size,
+    layers: int = TinyModelShape.layers,
+    heads: int = TinyModelShape.heads,
+    kv_heads: int = TinyModelShape.kv_heads,
+    intermediate_size: int = TinyModelShape.intermediate_size,
+    max_position_embeddings: int = TinyModelShape.max_position_embeddings,
+) -> Qwen2ForCausalLM:
+    """A random-init Qwen2ForCausalLM sized for fast CPU RL on the arithmetic task."""
+    pad_id = tokenizer.pad_token_id
+    eos_id = tokenizer.eos_token_id
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        # Like Qwen2: bos is <|endoftext|> (never prepended by the tokenizer),
+        # eos is <|im_end|> because chat turns end there.
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    return model
+
+
+# --------------------------------------------------------------------------- SFT
+
+
+@dataclass
+class SftBatchTensors:
+    """All SFT examples, right-padded to one length; labels are -100 off the response."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerFast, row: dict) -> str:
+    return tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+
+
+def _encode(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so left and right padding give the same result."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def encode_sft_examples(tokenizer: PreTrainedTokenizerFast, rows: Sequence[dict]) -> SftBatchTensors:
+    """Tokenise prompt (chat template) + reference answer + eos for every row."""
+    pad_id = tokenizer.pad_token_id
+    sequences, label_rows = [], []
+    for row in rows:
+        prompt_ids = _encode(tokenizer, prompt_text(tokenizer, row))
+        response_ids = _encode(tokenizer, row["extra_info"]["answer"]) + [tokenizer.eos_token_id]
+        sequences.append(prompt_ids + response_ids)
+        # The prompt is masked: the model is trained only to write answers.
+        label_rows.append([-100] * len(prompt_ids) + response_ids)
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (seq, lab) in enumerate(zip(sequences, label_rows)):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, : len(lab)] = torch.tensor(lab)
+        attention_mask[i, : len(seq)] = 1
+    return SftBatchTensors(input_ids, attention_mask, position_ids_from_mask(attention_mask), labels)
+
+
+def response_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled (response) positions."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def _cosine_lr(step: int, total_steps: int, peak_lr: float, warmup_steps: int) -> float:
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return peak_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def sft_warm_start(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    rows: Sequence[dict],
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    log_every: int = 0,
+) -> dict:
+    """Supervised warm start on the reference solutions (response tokens only).
+
+    AdamW with a short warmup and cosine decay. Returns metrics: first/last
+    loss (the last averaged over the final 10 steps), steps, seconds.
+    """
+    data = encode_sft_examples(tokenizer, rows)
+    device = model.device
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup_steps = max(1, steps // 20)
+    model.train()
+    losses: list[float] = []
+    started = time.perf_counter()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _cosine_lr(step, steps, lr, warmup_steps)
+        # Indices are drawn on CPU so the sequence of batches is the same on any device.
+        batch = torch.randint(0, data.input_ids.size(0), (batch_size,), generator=generator)
+        logits = model(
+            input_ids=data.input_ids[batch].to(device),
+            attention_mask=data.attention_mask[batch].to(device),
+            position_ids=data.position_ids[batch].to(device),
+        ).logits
+        loss = response_token_loss(logits, data.labels[batch].to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if log_every and (step + 1) % log_every == 0:
+            print(f"sft step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f}", flush=True)
+    model.eval()
+    tail = losses[-10:]
+    return {
+        "sft/steps": steps,
+        "sft/loss_first": losses[0] if losses else float("nan"),
+        "sft/loss_last": sum(tail) / len(tail) if tail else float("nan"),
+        "sft/seconds": time.perf_counter() - started,
+    }
+
+
+# --------------------------------------------------------------------------- evaluation
+
+# veRL's gsm8k "strict" rule (verl-semantics.md §2), repeated here only to
+# measure the warm start; the reward used in training lives in kfrl.rewards.
+_STRICT_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def strict_final_answer(text: str) -> str | None:
+    matches = _STRICT_ANSWER.findall(text[-300:])
+    return matches[-1].replace(",", "").replace("$", "") if matches else None
+
+
+@torch.no_grad()
+def generate_responses(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    rows: Sequence[dict],
+    do_sample: bool,
+    max_new_tokens: int = 24,
+    temperature: float = 1.0,
+) -> list[str]:
+    """Decoded responses (special tokens skipped) for each row's chat prompt."""
+    prompts = [prompt_text(tokenizer, row) for row in rows]
+    batch = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {"do_sample": False}
+    output = model.generate(
+        **batch,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **sampling,
+    )
+    return tokenizer.batch_decode(output[:, batch["input_ids"].size(1):], skip_special_tokens=True)
+
+
+def answer_accuracy(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    rows: Sequence[dict],
+    do_sample: bool,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Fraction of rows whose response passes the strict rule, and fraction in `#### n` format."""
+    torch.manual_seed(seed)
+    responses = generate_responses(model, tokenizer, rows, do_sample=do_sample)
+    answers = [strict_final_answer(text) for text in responses]
+    correct = [a == row["reward_model"]["ground_truth"] for a, row in zip(answers, rows)]
+    return {
+        "accuracy": sum(correct) / len(rows),
+        "format_rate": sum(a is not None for a in answers) / len(rows),
+    }
+
+
+# --------------------------------------------------------------------------- builtin
+
+
+@dataclass(frozen=True)
+class BuiltinRecipe:
+    """Everything that determines a builtin model's weights; hashed into its cache key."""
+
+    seed: int = 0
+    n_sft_rows: int = 4000
+    tokenizer_vocab: int = DEFAULT_TOKENIZER_VOCAB
+    hidden_size: int = 128
+    layers: int = 4
+    sft_steps: int = 300
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 64
+    # Bump when code changes alter the result without changing the fields above.
+    revision: int = 1
+
+
+BUILTIN_MODELS: dict[str, BuiltinRecipe] = {"tiny-qwen2-arith": BuiltinRecipe()}
+BUILTIN_PREFIX = "builtin:"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("KFRL_CACHE_DIR") or Path.home() / ".cache" / "kfrl")
+
+
+def _recipe_key(recipe: BuiltinRecipe) -> str:
+    blob = json.dumps(asdict(recipe), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _resolve_builtin(name: str) -> tuple[str, BuiltinRecipe]:
+    bare = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else name
+    if bare not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {name!r}; valid names: {sorted(BUILTIN_MODELS)}")
+    return bare, BUILTIN_MODELS[bare]
+
+
+def build_builtin(recipe: BuiltinRecipe, out_dir: Path) -> dict:
+    """Build tokenizer + model + SFT warm start for `recipe` and save it as an HF dir."""
+    from kfrl.models.hf_io import save_hf  # local import: hf_io is a thin sibling module
+
+    rows = make_arith_rows(recipe.n_sft_rows, recipe.seed, "train")
+    tokenizer = build_tokenizer(arith_corpus(rows), vocab_size=recipe.tokenizer_vocab)
+    model = build_tiny_model(tokenizer, recipe.seed, hidden_size=recipe.hidden_size, layers=recipe.layers)
+    metrics = sft_warm_start(
+        model, tokenizer, rows, recipe.sft_steps, recipe.sft_lr, recipe.sft_batch_size, recipe.seed
+    )
+    save_hf(model, tokenizer, out_dir)
+    (out_dir / "kfrl_builtin.json").write_text(
+        json.dumps({"recipe": asdict(recipe), "metrics": metrics}, indent=2, sort_keys=True)
+    )
+    return metrics
+
+
+def materialize_builtin(name: str, cache_dir: Path | None = None) -> Path:
+    """Return the HF directory of builtin model `name`, building it on first use.
+
+    The directory only ever appears complete: it is built in a temporary
+    sibling and renamed into place (atomic on one filesystem). When two
+    processes race, the loser's rename fails and it discards its own copy.
+    """
+    bare, recipe = _resolve_builtin(name)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final_dir = cache_dir / f"{bare}-{_recipe_key(recipe)}"
+    if final_dir.is_dir():
+        return final_dir
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging_dir = Path(tempfile.mkdtemp(prefix=f".{bare}-building-", dir=cache_dir))
+    try:
+        build_builtin(recipe, staging_dir)
+        staging_dir.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        try:
+            os.rename(staging_dir, final_dir)
+        except OSError:
+            if not final_dir.is_dir():
+                raise
+            # Another process finished first; its copy is equivalent.
+    finally:
+        shutil.rmtree(staging_dir, ignore_errors=True)
+    return final_dir

@@ -1,0 +1,158 @@
+"""How one iteration's pipeline is executed: in this process, on KFP's local runner, or on a KFP cluster.
+
+All three run the same stage functions; only the orchestration differs. Each ``run`` returns when
+the iteration's stages are committed, or raises ``IterationFailed`` naming where to look.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from kfrl.config import Config
+
+
+class IterationFailed(RuntimeError):
+    pass
+
+
+class InlineRunner:
+    """Stages called directly, in order, in this process (no KFP). Fast; for tests and debugging."""
+
+    name = "inline"
+
+    def run(self, run_uri: str, iteration: int, log_path: Path) -> None:
+        from kfrl.stages import STAGES, run_stage
+
+        for stage in STAGES:
+            try:
+                run_stage(stage, run_uri, iteration)
+            except Exception as err:
+                raise IterationFailed(f"iteration {iteration}, stage {stage}: {type(err).__name__}: {err}") from err
+
+
+_LOCAL_ROOT: str | None = None
+
+
+class LocalKfpRunner:
+    """The embedded default: KFP's local SubprocessRunner, one subprocess per stage, no cluster.
+
+    KFP prints every task's executor input and output; that goes to a log file per iteration so the
+    terminal keeps kfrl's own progress lines.
+    """
+
+    name = "local"
+
+    def __init__(self, pipeline_root: str):
+        self.pipeline_root = str(Path(pipeline_root).expanduser().resolve())
+
+    def _init(self) -> None:
+        global _LOCAL_ROOT
+        if _LOCAL_ROOT == self.pipeline_root:
+            return
+        from kfp import local
+
+        Path(self.pipeline_root).mkdir(parents=True, exist_ok=True)
+        local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=self.pipeline_root,
+                   raise_on_error=True)
+        _LOCAL_ROOT = self.pipeline_root
+
+    def run(self, run_uri: str, iteration: int, log_path: Path) -> None:
+        import logging
+
+        from kfrl.pipelines.rl_iteration import rl_iteration
+
+        self._init()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log, _quiet_kfp(log):
+            try:
+                rl_iteration(run_uri=run_uri, iteration=iteration)
+            except Exception as err:
+                logging.getLogger(__name__).debug("pipeline failed", exc_info=True)
+                tail = _tail(log_path)
+                raise IterationFailed(
+                    f"iteration {iteration}: the KFP pipeline failed ({_strip_ansi(str(err))}). "
+                    f"Full log: {log_path}\n--- last lines ---\n{tail}") from err
+
+
+class ClusterKfpRunner:
+    """A KFP cluster: one pipeline run per iteration through ``kfp.Client``, then wait for it."""
+
+    name = "kfp"
+
+    def __init__(self, config: Config):
+        if not config.pipeline.host:
+            raise ValueError("pipeline.runner=kfp needs pipeline.host (the KFP API URL, e.g. http://ml-pipeline-ui:80)")
+        self.config = config
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            import kfp
+
+            self._client = kfp.Client(host=self.config.pipeline.host)
+        return self._client
+
+    def run(self, run_uri: str, iteration: int, log_path: Path) -> None:
+        from kfrl.pipelines.compile import compiled_path
+
+        result = self.client.create_run_from_pipeline_package(
+            str(compiled_path()), arguments={"run_uri": run_uri, "iteration": iteration},
+            run_name=f"{self.config.trainer.experiment_name}-{Path(run_uri).name}-iter-{iteration}",
+            experiment_name=self.config.trainer.project_name, enable_caching=False,
+        )
+        run = self.client.wait_for_run_completion(result.run_id, timeout=self.config.pipeline.run_timeout_s)
+        state = str(getattr(run, "state", "")).upper()
+        if "SUCCEEDED" not in state:
+            raise IterationFailed(f"iteration {iteration}: KFP run {result.run_id} ended in state {state}; "
+                                  f"see the run in the KFP UI at {self.config.pipeline.host}")
+
+
+def make_runner(config: Config):
+    kind = config.pipeline.runner
+    if kind == "inline":
+        return InlineRunner()
+    if kind == "local":
+        return LocalKfpRunner(config.pipeline.pipeline_root)
+    return ClusterKfpRunner(config)
+
+
+@contextlib.contextmanager
+def _quiet_kfp(log):
+    """Send KFP's task output (printed by the local runner) and its log records to ``log``."""
+    import logging
+
+    handler = logging.StreamHandler(log)
+    loggers = [logging.getLogger(), logging.getLogger("kfp")]
+    saved = [(lg, list(lg.handlers), lg.propagate) for lg in loggers]
+    for lg in loggers:
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+        lg.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            yield
+    finally:
+        log.flush()
+        for lg, handlers, propagate in saved:
+            lg.removeHandler(handler)
+            for h in handlers:
+                lg.addHandler(h)
+            lg.propagate = propagate
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return _strip_ansi("\n".join(text[-lines:]))
+
+
+def _strip_ansi(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+__all__ = ["InlineRunner", "LocalKfpRunner", "ClusterKfpRunner", "IterationFailed", "make_runner"]

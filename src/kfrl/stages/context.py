@@ -1,0 +1,136 @@
+"""What every stage shares: where the run lives, its config, its committed inputs, its models."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from kfrl.config import Config, config_from_yaml_text
+from kfrl.store import Manifest, Store
+
+CONFIG_FILE = "config.yaml"
+POLICY_STAGE = "update_actor"
+INIT_ITERATION = 0
+
+
+class StageInputError(RuntimeError):
+    """A stage's input is missing or unusable; the message names the URI and the stage to run first."""
+
+
+def stage_prefix(iteration: int, stage: str) -> str:
+    return f"iter-{iteration:06d}/{stage}"
+
+
+def quiet_transformers() -> None:
+    """Per-call progress bars ("Loading weights", "Writing model shards") drown the run's own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KFRL_CACHE_DIR") or Path.home() / ".cache" / "kfrl")
+
+
+@dataclass
+class StageContext:
+    run_uri: str
+    iteration: int
+    store: Store = field(repr=False)
+    config: Config = field(repr=False)
+
+    @classmethod
+    def open(cls, run_uri: str, iteration: int) -> "StageContext":
+        store = Store(run_uri)
+        if not store.exists(CONFIG_FILE):
+            raise StageInputError(f"no {CONFIG_FILE} at {store.url(CONFIG_FILE)}: is '{run_uri}' a kfrl run? "
+                                  "`kfrl train` creates it")
+        config = config_from_yaml_text(store.read_text(CONFIG_FILE))
+        return cls(run_uri=run_uri, iteration=iteration, store=store, config=config)
+
+    # --- committed inputs ------------------------------------------------------------------------
+    def manifest(self, stage: str, iteration: int | None = None) -> Manifest:
+        it = self.iteration if iteration is None else iteration
+        prefix = stage_prefix(it, stage)
+        manifest = self.store.manifest(prefix)
+        if manifest is None:
+            raise StageInputError(f"stage '{stage}' of iteration {it} is not committed ({self.store.url(prefix)}); "
+                                  f"it must run before this one")
+        return manifest
+
+    def produced(self, stage: str) -> Manifest | None:
+        """The stage's manifest when it produced data this iteration; None when it was skipped."""
+        manifest = self.manifest(stage)
+        return None if manifest.info.get("skipped") else manifest
+
+    def read_groups(self, *stages: str):
+        """Join of the named stages' column groups for this iteration (skipped stages left out)."""
+        from kfrl import batch
+
+        tables = {}
+        for stage in stages:
+            manifest = self.produced(stage)
+            if manifest is not None:
+                tables[stage] = batch.read_group(self.store, manifest, stage)
+        return batch.join(tables)
+
+    # --- devices and models ---------------------------------------------------------------------
+    @cached_property
+    def device(self) -> str:
+        from kfrl.engines import pick_device
+
+        return pick_device(self.config.trainer.device)
+
+    @cached_property
+    def compute_dtype(self):
+        from kfrl.engines import compute_dtype
+
+        return compute_dtype(self.config.model.dtype, self.device)
+
+    def policy_manifest(self, weights_iteration: int) -> Manifest:
+        """Weights after ``weights_iteration`` updates (0 = the initial model)."""
+        return self.manifest(POLICY_STAGE, weights_iteration)
+
+    def checkpoint_dir(self, manifest: Manifest) -> Path:
+        """A local copy of a committed checkpoint, downloaded once per machine and attempt."""
+        source = manifest.info.get("source")
+        if source and not manifest.files:
+            # The initial model was referenced in place (an HF directory in a store), not copied.
+            if "://" not in source:
+                return Path(source)
+            remote = Store(source)
+            key = hashlib.sha1(source.encode()).hexdigest()[:16]
+            local = cache_root() / "models" / key
+            if not (local / "config.json").exists():
+                tmp = local.with_name(local.name + f".tmp{os.getpid()}")
+                tmp.mkdir(parents=True, exist_ok=True)
+                for name in remote.list(""):
+                    target = tmp / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(remote.read_bytes(name))
+                os.replace(tmp, local) if not local.exists() else None
+            return local
+        key = hashlib.sha1(self.store.url(manifest.prefix).encode()).hexdigest()[:16]
+        return self.store.download(manifest, cache_root() / "checkpoints" / f"{key}-{manifest.attempt}")
+
+    def load_tokenizer(self, manifest: Manifest):
+        from kfrl.models.hf_io import load_tokenizer
+
+        quiet_transformers()
+        return load_tokenizer(self.checkpoint_dir(manifest))
+
+    def load_model(self, manifest: Manifest, *, for_training: bool = False):
+        """Inference: compute dtype (bf16 on CUDA). Training: fp32 master weights (autocast does bf16)."""
+        import torch
+
+        from kfrl.models.hf_io import load_causal_lm
+
+        quiet_transformers()
+        dtype = torch.float32 if for_training else self.compute_dtype
+        model = load_causal_lm(self.checkpoint_dir(manifest), dtype=dtype, device=self.device)
+        if not for_training:
+            model.eval()
+        return model

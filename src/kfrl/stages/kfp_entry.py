@@ -1,0 +1,21 @@
+"""What a KFP component body calls: run the stage, mirror its metrics into the KFP Metrics artifact."""
+from __future__ import annotations
+
+import math
+
+
+def run_for_kfp(stage: str, run_uri: str, iteration: int, metrics_artifact) -> str:
+    from kfrl.stages import run_stage
+
+    result = run_stage(stage, run_uri, int(iteration))
+    for key, value in result.metrics.items():
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            # KFP metric names may not contain "/" in every UI version; keep veRL's name readable.
+            metrics_artifact.log_metric(key.replace("/", "."), float(value))
+    metrics_artifact.metadata["stage"] = stage
+    metrics_artifact.metadata["cached"] = result.cached
+    if result.skipped:
+        metrics_artifact.metadata["skipped"] = result.skipped
+    status = "skipped: " + result.skipped if result.skipped else ("already committed" if result.cached else "done")
+    print(f"[kfrl] iteration {iteration} {stage}: {status} -> {result.uri}")
+    return result.uri

@@ -1,0 +1,43 @@
+"""Stages ``old_logprob`` (the rollout policy's log-probs and entropy) and ``ref_logprob`` (the initial model's)."""
+from __future__ import annotations
+
+from kfrl.stages.context import INIT_ITERATION, StageContext
+
+
+def _logprobs(ctx: StageContext, weights_iteration: int, with_entropy: bool):
+    from kfrl.engines.inference import compute_logprobs
+
+    table = ctx.read_groups("rollout")
+    manifest = ctx.policy_manifest(weights_iteration)
+    tokenizer = ctx.load_tokenizer(manifest)
+    model = ctx.load_model(manifest)
+    logprobs, entropy = compute_logprobs(
+        model, table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(),
+        table.column("response_mask").to_pylist(), pad_id=tokenizer.pad_token_id or 0,
+        temperature=ctx.config.rollout.temperature,
+        micro_batch_size=ctx.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=with_entropy,
+        autocast_dtype=ctx.compute_dtype,
+    )
+    return table, logprobs, entropy
+
+
+def old_logprob(ctx: StageContext, attempt) -> dict[str, float]:
+    from kfrl import batch
+
+    table, logprobs, entropy = _logprobs(ctx, ctx.iteration - 1, with_entropy=True)
+    masks = table.column("response_mask").to_pylist()
+    batch.write_group(attempt, "old_logprob", batch.make_table("old_logprob", {
+        "sample_id": table.column("sample_id").to_pylist(), "old_logprobs": logprobs, "entropy": entropy}))
+    # Token-mean over the whole batch, as veRL's actor/entropy.
+    total = sum(e * m for row, mask in zip(entropy, masks) for e, m in zip(row, mask))
+    count = sum(sum(mask) for mask in masks)
+    return {"actor/entropy": total / max(count, 1)}
+
+
+def ref_logprob(ctx: StageContext, attempt) -> dict[str, float]:
+    from kfrl import batch
+
+    table, logprobs, _ = _logprobs(ctx, INIT_ITERATION, with_entropy=False)
+    batch.write_group(attempt, "ref_logprob", batch.make_table("ref_logprob", {
+        "sample_id": table.column("sample_id").to_pylist(), "ref_logprobs": logprobs}))
+    return {}

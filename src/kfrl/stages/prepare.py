@@ -1,0 +1,87 @@
+"""Run preparation (once per training run, idempotent): config, training data and the initial policy
+are committed into the run's store, so every stage, local or on a cluster, reads them from there."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from kfrl.config import Config
+from kfrl.stages.context import CONFIG_FILE, INIT_ITERATION, POLICY_STAGE, stage_prefix
+from kfrl.store import Store
+
+BUILTIN_DATA = {"builtin:arith"}
+
+
+def _parquet_bytes(table) -> bytes:
+    import pyarrow.parquet as pq
+
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def _read_dataset_source(spec: str, *, split: str, config: Config):
+    """A table in veRL's RL-dataset schema from a builtin name, a local file or a store URI."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if spec in BUILTIN_DATA:
+        from kfrl.data.synthetic import make_arith_rows
+
+        n = config.data.builtin_train_size if split == "train" else config.data.builtin_val_size
+        seed = config.data.seed if split == "train" else config.data.seed + 7919
+        return pa.Table.from_pylist(make_arith_rows(n, seed, split))
+    tables = []
+    for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        if "://" in part:
+            root, _, name = part.rpartition("/")
+            data = Store(root).read_bytes(name)
+        else:
+            path = Path(part).expanduser()
+            if not path.is_file():
+                raise FileNotFoundError(f"data file not found: {path} (data.{split}_files); expected a Parquet "
+                                        "file in veRL's RL-dataset schema, or builtin:arith")
+            data = path.read_bytes()
+        tables.append(pq.read_table(io.BytesIO(data)))
+    return pa.concat_tables(tables)
+
+
+def prepare_data(store: Store, config: Config) -> None:
+    for split, spec in (("train", config.data.train_files), ("val", config.data.val_files)):
+        prefix = f"data/{split}"
+        if spec is None or store.is_committed(prefix):
+            continue
+        table = _read_dataset_source(spec, split=split, config=config)
+        attempt = store.open_attempt(prefix)
+        attempt.write_bytes("part-00000.parquet", _parquet_bytes(table))
+        attempt.commit(info={"source": spec, "rows": table.num_rows})
+
+
+def prepare_policy(store: Store, config: Config) -> None:
+    """Commit the initial weights as iteration 0's policy (builtin: built here; local dir: uploaded;
+    a store URI: referenced in place)."""
+    prefix = stage_prefix(INIT_ITERATION, POLICY_STAGE)
+    if store.is_committed(prefix):
+        return
+    path = config.model.path
+    attempt = store.open_attempt(prefix)
+    if path.startswith("builtin:"):
+        from kfrl.models.tiny import materialize_builtin
+
+        attempt.upload_dir(materialize_builtin(path))
+        attempt.commit(info={"source": path})
+    elif "://" in path and not path.startswith("file://"):
+        attempt.commit(info={"source": path})
+    else:
+        local = Path(path.removeprefix("file://")).expanduser()
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {local} is not an HF model directory (no config.json there)")
+        attempt.upload_dir(local)
+        attempt.commit(info={"source": str(local.resolve())})
+
+
+def prepare_run(store: Store, config: Config) -> None:
+    if not store.exists(CONFIG_FILE):
+        store.write_text(CONFIG_FILE, config.to_yaml())
+    prepare_data(store, config)
+    prepare_policy(store, config)

@@ -1,0 +1,763 @@
+"""Object store over fsspec (local folders and s3://) with the run layout and one-shot commits.
+
+Layout of one training run inside a store root::
+
+    {root}/{experiment}/{run_id}/config.yaml
+    {root}/{experiment}/{run_id}/iter-{N:06d}/{stage}/attempt-{hex}/<files>
+    {root}/{experiment}/{run_id}/iter-{N:06d}/{stage}/_COMMITTED     (JSON manifest)
+    {root}/{experiment}/{run_id}/LATEST                              (last committed iteration)
+
+S3 has no atomic rename, so a writer puts every file under a fresh ``attempt-{hex}`` prefix and
+then publishes one small manifest with a create-only write. Readers trust only manifests: a
+crashed attempt leaves garbage nobody reads, and the first attempt to commit wins, which makes a
+re-run of a committed stage a no-op.
+
+Every remote call goes through :meth:`Store._retrying`, the single place that decides what is
+transient (connection trouble, timeouts, 5xx, throttling) and how long to keep trying.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import errno
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MANIFEST_NAME = "_COMMITTED"
+LATEST_NAME = "LATEST"
+DOWNLOAD_MARKER = ".kfrl-download.json"
+MANIFEST_FORMAT = 1
+_CHUNK = 8 * 2**20
+
+# Local OSErrors that retrying cannot fix (full disk, read-only mount, bad path...).
+_PERMANENT_ERRNOS = {
+    errno.ENOENT, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
+    errno.ENOSPC, errno.EROFS, errno.EINVAL, errno.ENAMETOOLONG, errno.EDQUOT,
+}
+# S3 error codes that mean "try again shortly" even though they are not 5xx.
+_TRANSIENT_S3_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "ConditionalRequestConflict",
+}
+
+
+class StoreError(RuntimeError):
+    """A store operation failed; the message names the URI involved and what to do."""
+
+
+class StoreNotFoundError(StoreError):
+    """The object a caller asked for does not exist."""
+
+
+# ---------------------------------------------------------------------------------------------
+# layout helpers
+
+
+def iteration_prefix(run_prefix: str, iteration: int) -> str:
+    """``"exp/run"``, 1 -> ``"exp/run/iter-000001"``; ``""`` (a store rooted at the run) -> ``"iter-000001"``."""
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+    return _join(run_prefix, f"iter-{iteration:06d}")
+
+
+def stage_prefix(run_prefix: str, iteration: int, stage: str) -> str:
+    """``"exp/run"``, 1, ``"rollout"`` -> ``"exp/run/iter-000001/rollout"``."""
+    return _join(iteration_prefix(run_prefix, iteration), stage)
+
+
+def _join(*parts: str) -> str:
+    return _clean_rel("/".join(parts))
+
+
+def _clean_rel(rel: str) -> str:
+    """Normalise a store-relative path; refuse anything that could escape the store root."""
+    if not isinstance(rel, str):
+        raise StoreError(f"store paths are strings relative to the store root, got {rel!r}")
+    parts = [p for p in rel.replace("\\", "/").split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise StoreError(f"store path {rel!r} contains '..'; use a path below the store root")
+    return "/".join(parts)
+
+
+def _clean_name(name: str, where: str) -> str:
+    cleaned = _clean_rel(name)
+    if not cleaned:
+        raise StoreError(f"empty file name for {where}; give a relative name like 'part-00000.parquet'")
+    return cleaned
+
+
+def _now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest
+
+
+@dataclasses.dataclass
+class Manifest:
+    """What one committed attempt published: the only thing readers trust."""
+
+    prefix: str
+    attempt: str
+    files: list[dict]
+    metrics: dict = dataclasses.field(default_factory=dict)
+    info: dict = dataclasses.field(default_factory=dict)
+    created_at: str = ""
+
+    def names(self) -> list[str]:
+        return [f["name"] for f in self.files]
+
+    def file(self, name: str) -> dict | None:
+        for entry in self.files:
+            if entry["name"] == name:
+                return entry
+        return None
+
+    def to_json(self) -> str:
+        body = {"format": MANIFEST_FORMAT, **dataclasses.asdict(self)}
+        return json.dumps(body, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str) -> "Manifest":
+        try:
+            body = json.loads(text)
+            return cls(
+                prefix=body["prefix"],
+                attempt=body["attempt"],
+                files=[{"name": f["name"], "size": int(f["size"]), "sha256": f["sha256"]}
+                       for f in body["files"]],
+                metrics={k: float(v) for k, v in (body.get("metrics") or {}).items()},
+                info=dict(body.get("info") or {}),
+                created_at=body.get("created_at", ""),
+            )
+        except (ValueError, KeyError, TypeError) as err:
+            raise StoreError(
+                f"manifest {source} is not a valid kfrl manifest ({err}); it was not written by "
+                "kfrl or was edited. Delete it to let the stage run again."
+            ) from err
+
+
+def _check_metrics(metrics: dict | None, where: str) -> dict:
+    out = {}
+    for key, value in (metrics or {}).items():
+        try:
+            out[str(key)] = float(value)
+        except (TypeError, ValueError) as err:
+            raise StoreError(f"metric {key!r}={value!r} for {where} is not a number") from err
+    return out
+
+
+def _check_info(info: dict | None, where: str) -> dict:
+    info = dict(info or {})
+    try:
+        json.dumps(info)
+    except (TypeError, ValueError) as err:
+        raise StoreError(f"info for {where} must be JSON-serialisable: {err}") from err
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# transient-error classification
+
+
+def _error_chain(err: BaseException):
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _s3_client_error(err: BaseException):
+    """The botocore ClientError behind an error (s3fs translates them into OSErrors)."""
+    for e in _error_chain(err):
+        if hasattr(e, "response") and isinstance(getattr(e, "response"), dict) and "Error" in e.response:
+            return e
+    return None
+
+
+def _is_transient(err: BaseException) -> bool:
+    if isinstance(err, StoreError):
+        return False
+    client_error = _s3_client_error(err)
+    if client_error is not None:
+        status = client_error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        code = client_error.response.get("Error", {}).get("Code", "")
+        return status >= 500 or code in _TRANSIENT_S3_CODES
+    if isinstance(err, (FileNotFoundError, PermissionError, FileExistsError,
+                        IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(err, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(err, OSError):
+        return err.errno not in _PERMANENT_ERRNOS
+    return _is_network_library_error(err)
+
+
+def _is_network_library_error(err: BaseException) -> bool:
+    """botocore/aiohttp/fsspec connection and timeout errors are not OSErrors."""
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+        if isinstance(err, (BotoConnectionError, HTTPClientError)):
+            return True
+    except ImportError:  # pragma: no cover - botocore ships with s3fs
+        pass
+    try:
+        from fsspec.exceptions import FSTimeoutError
+        if isinstance(err, FSTimeoutError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import aiohttp
+        if isinstance(err, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# the store
+
+
+class Store:
+    """A store root: a local folder (``/abs``, ``./rel``, ``file:///abs``) or ``s3://bucket/prefix``.
+
+    The S3 client reads endpoint and credentials from the standard AWS environment variables
+    (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). Only the URI and options are pickled; the
+    filesystem object is created lazily in each process.
+
+    ``retries`` is the number of extra tries after the first for transient errors, waiting
+    ``backoff_s``, 2x``backoff_s``, 4x``backoff_s``... in between.
+    """
+
+    def __init__(self, uri: str, *, retries: int = 4, backoff_s: float = 0.2):
+        if retries < 0 or backoff_s < 0:
+            raise ValueError("retries and backoff_s must be >= 0")
+        self.uri = _normalise_root(uri)
+        self.retries = int(retries)
+        self.backoff_s = float(backoff_s)
+        self._fs = None
+        self._fs_pid = None
+
+    # -- identity / pickling ----------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"Store({self.uri!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Store) and other.uri == self.uri
+
+    def __hash__(self) -> int:
+        return hash(self.uri)
+
+    def __getstate__(self) -> dict:
+        return {"uri": self.uri, "retries": self.retries, "backoff_s": self.backoff_s}
+
+    def __setstate__(self, state: dict) -> None:
+        self.uri = state["uri"]
+        self.retries = state["retries"]
+        self.backoff_s = state["backoff_s"]
+        self._fs = None
+        self._fs_pid = None
+
+    @property
+    def is_s3(self) -> bool:
+        return self.uri.startswith("s3://")
+
+    @property
+    def fs(self):
+        # A filesystem made before a fork holds event loops/sockets of the parent: make a new one.
+        if self._fs is None or self._fs_pid != os.getpid():
+            self._fs = _make_filesystem(self.is_s3)
+            self._fs_pid = os.getpid()
+        return self._fs
+
+    # -- paths -------------------------------------------------------------------------------
+
+    def url(self, rel: str) -> str:
+        """Absolute URI of a path relative to the store root."""
+        rel = _clean_rel(rel)
+        if not rel:
+            return self.uri
+        return f"{self.uri.rstrip('/')}/{rel}"
+
+    def _relative_to_root(self, found_path: str) -> str:
+        root = self.uri[len("s3://"):] if self.is_s3 else self.uri
+        found = found_path[len("s3://"):] if found_path.startswith("s3://") else found_path
+        return found[len(root):].lstrip("/")
+
+    # -- retries ----------------------------------------------------------------------------
+
+    def _retrying(self, action: str, uri: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with bounded retries on transient errors.
+
+        FileNotFoundError passes through untouched (callers turn it into None/False or a
+        StoreNotFoundError); other permanent errors become a StoreError naming ``uri``.
+        """
+        attempts = self.retries + 1
+        started = time.monotonic()
+        for attempt in range(1, attempts + 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except StoreError:
+                raise
+            except Exception as err:  # noqa: BLE001 - classified below
+                if not _is_transient(err):
+                    raise StoreError(f"could not {action} {uri}: {_describe(err)}. "
+                                     f"{self._hint(err)}") from err
+                if attempt == attempts:
+                    elapsed = time.monotonic() - started
+                    raise StoreError(
+                        f"could not {action} {uri}: gave up after {attempts} attempts in "
+                        f"{elapsed:.1f}s; last error: {_describe(err)}. {self._reachability_hint()}"
+                    ) from err
+                delay = self.backoff_s * 2 ** (attempt - 1)
+                log.warning("transient error on %s %s (attempt %d/%d, retrying in %.2fs): %s",
+                            action, uri, attempt, attempts, delay, _describe(err))
+                time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _reachability_hint(self) -> str:
+        if self.is_s3:
+            endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+            where = f"endpoint {endpoint}" if endpoint else "the default AWS endpoint (AWS_ENDPOINT_URL is unset)"
+            return (f"Check that the S3 service at {where} is up and reachable from here, and that "
+                    "the AWS_* credentials are right.")
+        return "Check that the folder is on a working, writable disk."
+
+    def _hint(self, err: BaseException) -> str:
+        if isinstance(err, PermissionError):
+            return ("Access was denied: check the AWS_* credentials and bucket policy."
+                    if self.is_s3 else "Check the folder's permissions.")
+        return self._reachability_hint() if self.is_s3 else ""
+
+    # -- raw fs operations (no retries; callers wrap them) --------------------------------------
+
+    def _raw_read(self, uri: str) -> bytes:
+        return self.fs.cat_file(uri)
+
+    def _raw_write(self, uri: str, data: bytes) -> None:
+        if self.is_s3:
+            self.fs.pipe_file(uri, data)
+        else:
+            _atomic_local_write(uri, data)
+
+    def _raw_write_if_absent(self, uri: str, data: bytes) -> bool:
+        """Create ``uri`` holding ``data`` unless it exists. True when this call created it."""
+        if self.is_s3:
+            return _s3_put_if_absent(self.fs, uri, data)
+        return _local_put_if_absent(uri, data)
+
+    # -- plain objects ------------------------------------------------------------------------
+
+    def exists(self, rel: str) -> bool:
+        uri = self.url(rel)
+        return self._retrying("check", uri, lambda: self.fs.exists(uri))
+
+    def read_bytes(self, rel: str) -> bytes:
+        uri = self.url(rel)
+        try:
+            return self._retrying("read", uri, lambda: self._raw_read(uri))
+        except FileNotFoundError as err:
+            raise StoreNotFoundError(f"{uri} does not exist; check the store URI and the "
+                                     "experiment/run names, or run the step that writes it") from err
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        uri = self.url(rel)
+        if not _clean_rel(rel):
+            raise StoreError(f"cannot write to the store root {uri} itself; give a file name")
+        self._retrying("write", uri, lambda: self._raw_write(uri, bytes(data)))
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8")
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.write_bytes(rel, text.encode("utf-8"))
+
+    def list(self, rel: str = "") -> list[str]:
+        """Files below a prefix, recursively, as names relative to that prefix (sorted)."""
+        uri = self.url(rel)
+
+        def find() -> list[str]:
+            try:
+                return self.fs.find(uri)
+            except FileNotFoundError:
+                return []
+
+        base = _clean_rel(rel)
+        names = []
+        for found in self._retrying("list", uri, find):
+            rel_found = self._relative_to_root(found)
+            if base and rel_found == base:
+                continue  # `rel` names a file, not a prefix
+            names.append(rel_found[len(base):].lstrip("/") if base else rel_found)
+        return sorted(names)
+
+    def ping(self) -> None:
+        """Fail fast, with the URI in the message, when the store cannot be reached."""
+        if self.is_s3:
+            bucket = self.uri[len("s3://"):].split("/", 1)[0]
+            try:
+                self._retrying("reach bucket", self.uri,
+                               lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
+            except FileNotFoundError as err:
+                raise StoreNotFoundError(
+                    f"bucket {bucket!r} of store {self.uri} does not exist; create it "
+                    f"(e.g. `aws s3 mb s3://{bucket}`) or fix the store URI") from err
+        else:
+            def make_root() -> None:
+                os.makedirs(self.uri, exist_ok=True)
+                if not os.access(self.uri, os.W_OK):
+                    raise PermissionError(errno.EACCES, "not writable", self.uri)
+            self._retrying("create", self.uri, make_root)
+
+    # -- commits --------------------------------------------------------------------------------
+
+    def open_attempt(self, prefix: str) -> "Attempt":
+        prefix = _clean_rel(prefix)
+        if not prefix:
+            raise StoreError(f"cannot commit the store root {self.uri}; give a prefix like 'exp/run/data'")
+        return Attempt(self, prefix, f"attempt-{uuid.uuid4().hex}")
+
+    def manifest_url(self, prefix: str) -> str:
+        return self.url(_join(prefix, MANIFEST_NAME))
+
+    def manifest(self, prefix: str) -> Manifest | None:
+        uri = self.manifest_url(prefix)
+        try:
+            raw = self._retrying("read manifest", uri, lambda: self._raw_read(uri))
+        except FileNotFoundError:
+            return None
+        return Manifest.from_json(raw, uri)
+
+    def is_committed(self, prefix: str) -> bool:
+        uri = self.manifest_url(prefix)
+        return self._retrying("check", uri, lambda: self.fs.exists(uri))
+
+    def require_manifest(self, prefix: str) -> Manifest:
+        """The manifest of ``prefix``, or a StoreNotFoundError saying which stage to run."""
+        found = self.manifest(prefix)
+        if found is None:
+            raise StoreNotFoundError(
+                f"{self.url(prefix)} has no committed output ({MANIFEST_NAME} missing); run the "
+                "stage that produces it first")
+        return found
+
+    def file_url(self, manifest: Manifest, name: str) -> str:
+        if manifest.file(name) is None:
+            raise StoreNotFoundError(
+                f"{name!r} is not among the committed files of {self.url(manifest.prefix)} "
+                f"(attempt {manifest.attempt}); it has: {', '.join(manifest.names()) or 'no files'}")
+        return self.url(f"{manifest.prefix}/{manifest.attempt}/{name}")
+
+    def read_file(self, manifest: Manifest, name: str) -> bytes:
+        """A committed file's bytes, checked against the manifest's size and sha256."""
+        uri = self.file_url(manifest, name)
+        entry = manifest.file(name)
+        try:
+            data = self._retrying("read", uri, lambda: self._raw_read(uri))
+        except FileNotFoundError as err:
+            raise StoreNotFoundError(_missing_committed_file(uri, self.manifest_url(manifest.prefix))) from err
+        _verify(uri, entry, len(data), hashlib.sha256(data).hexdigest(), self.manifest_url(manifest.prefix))
+        return data
+
+    def download(self, manifest: Manifest, local_dir: str | Path) -> Path:
+        """Copy every committed file (verified) into ``local_dir``; reuse a complete earlier copy."""
+        local_dir = Path(local_dir)
+        marker = local_dir / DOWNLOAD_MARKER
+        source = self.url(manifest.prefix)
+        if _is_complete_copy(local_dir, marker, manifest, source):
+            return local_dir
+        local_dir.mkdir(parents=True, exist_ok=True)
+        marker.unlink(missing_ok=True)  # a half-updated folder must not look complete
+        for entry in manifest.files:
+            self._download_file(manifest, entry, local_dir / entry["name"])
+        marker.write_text(json.dumps({"source": source, "attempt": manifest.attempt}))
+        return local_dir
+
+    def _download_file(self, manifest: Manifest, entry: dict, target: Path) -> None:
+        uri = self.file_url(manifest, entry["name"])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.part-{uuid.uuid4().hex[:8]}")
+
+        def copy() -> tuple[int, str]:
+            digest, size = hashlib.sha256(), 0
+            with self.fs.open(uri, "rb") as src, open(tmp, "wb") as dst:
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    size += len(chunk)
+                    dst.write(chunk)
+            return size, digest.hexdigest()
+
+        try:
+            size, sha = self._retrying("download", uri, copy)
+            _verify(uri, entry, size, sha, self.manifest_url(manifest.prefix))
+            os.replace(tmp, target)
+        except FileNotFoundError as err:
+            raise StoreNotFoundError(_missing_committed_file(uri, self.manifest_url(manifest.prefix))) from err
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    # -- LATEST -----------------------------------------------------------------------------------
+
+    def get_latest(self, run_prefix: str) -> int | None:
+        rel = _join(run_prefix, LATEST_NAME)
+        try:
+            text = self.read_text(rel)
+        except StoreNotFoundError:
+            return None
+        try:
+            return int(text.strip())
+        except ValueError as err:
+            raise StoreError(f"{self.url(rel)} should hold an iteration number but holds {text[:40]!r}; "
+                             "fix or delete it") from err
+
+    def set_latest(self, run_prefix: str, iteration: int) -> None:
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+        self.write_text(_join(run_prefix, LATEST_NAME), f"{iteration}\n")
+
+
+class Attempt:
+    """One writer's private prefix; nothing in it is visible to readers until :meth:`commit`."""
+
+    def __init__(self, store: Store, prefix: str, attempt: str):
+        self.store = store
+        self.prefix = prefix
+        self.attempt = attempt
+        self.url = store.url(f"{prefix}/{attempt}")
+        self._files: dict[str, dict] = {}
+        self._manifest: Manifest | None = None
+
+    def __repr__(self) -> str:
+        return f"Attempt({self.url!r})"
+
+    def _target(self, name: str) -> tuple[str, str]:
+        if self._manifest is not None:
+            raise StoreError(f"attempt {self.url} is already committed and must not change; "
+                             "open a new attempt to write more")
+        name = _clean_name(name, self.url)
+        return name, self.store.url(f"{self.prefix}/{self.attempt}/{name}")
+
+    def _record(self, name: str, size: int, sha256: str) -> None:
+        self._files[name] = {"name": name, "size": size, "sha256": sha256}
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        name, uri = self._target(name)
+        data = bytes(data)
+        self.store._retrying("write", uri, lambda: self.store._raw_write(uri, data))
+        self._record(name, len(data), hashlib.sha256(data).hexdigest())
+
+    def write_text(self, name: str, text: str) -> None:
+        self.write_bytes(name, text.encode("utf-8"))
+
+    def write_parquet(self, name: str, table: "pyarrow.Table") -> None:
+        import pyarrow.parquet as pq
+
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer)
+        self.write_bytes(name, buffer.getvalue())
+
+    def upload_file(self, name: str, local_path: str | Path) -> None:
+        name, uri = self._target(name)
+        local_path = Path(local_path)
+        if not local_path.is_file():
+            raise StoreError(f"cannot upload {local_path} to {uri}: it is not a file")
+        size, sha = _hash_local_file(local_path)
+        self.store._retrying("upload", uri, lambda: self.store.fs.put_file(str(local_path), uri))
+        self._record(name, size, sha)
+
+    def upload_dir(self, local_dir: str | Path) -> None:
+        local_dir = Path(local_dir)
+        if not local_dir.is_dir():
+            raise StoreError(f"cannot upload {local_dir} to {self.url}: it is not a folder")
+        for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+            self.upload_file(path.relative_to(local_dir).as_posix(), path)
+
+    def commit(self, *, metrics: dict | None = None, info: dict | None = None) -> Manifest:
+        """Publish this attempt; if another attempt committed first, return its manifest instead."""
+        if self._manifest is not None:
+            return self._manifest
+        store = self.store
+        uri = store.manifest_url(self.prefix)
+        mine = Manifest(
+            prefix=self.prefix,
+            attempt=self.attempt,
+            files=sorted(self._files.values(), key=lambda f: f["name"]),
+            metrics=_check_metrics(metrics, uri),
+            info=_check_info(info, uri),
+            created_at=_now_iso(),
+        )
+        body = mine.to_json().encode("utf-8")
+        created = store._retrying("commit", uri, lambda: store._raw_write_if_absent(uri, body))
+        if created:
+            self._manifest = mine
+            return mine
+        winner = store.manifest(self.prefix)
+        if winner is None:  # the manifest vanished between our write and read: someone deleted it
+            raise StoreError(f"{uri} existed when committing {self.attempt} but is gone now; "
+                             "something is deleting manifests. Re-run the stage.")
+        log.info("%s was already committed by %s; %s is left as garbage", uri, winner.attempt, self.attempt)
+        self._manifest = winner
+        return winner
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _normalise_root(uri: str) -> str:
+    if not isinstance(uri, (str, os.PathLike)):
+        raise StoreError(f"store URI must be a string, got {uri!r}")
+    uri = os.fspath(uri).strip()
+    if not uri:
+        raise StoreError("store URI is empty; give a folder path or s3://bucket/prefix")
+    if uri.startswith("s3://"):
+        bucket_and_prefix = _clean_rel(uri[len("s3://"):])
+        if not bucket_and_prefix:
+            raise StoreError(f"store URI {uri!r} names no bucket; use s3://bucket[/prefix]")
+        return f"s3://{bucket_and_prefix}"
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    elif "://" in uri:
+        raise StoreError(f"store URI {uri!r} has an unsupported scheme; use a local folder, "
+                         "file:///abs/path or s3://bucket/prefix")
+    return os.path.abspath(os.path.expanduser(uri))
+
+
+def _make_filesystem(is_s3: bool):
+    if is_s3:
+        import s3fs
+
+        # Retries live in Store._retrying only: without this, botocore and s3fs would each retry
+        # too and an unreachable endpoint would take minutes to report.
+        fs = s3fs.S3FileSystem(
+            skip_instance_cache=True,
+            use_listings_cache=False,
+            config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"},
+                           "connect_timeout": 5, "read_timeout": 60},
+        )
+        fs.retries = 1
+        return fs
+    import fsspec
+
+    return fsspec.filesystem("file", auto_mkdir=True, skip_instance_cache=True)
+
+
+def _atomic_local_write(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _local_put_if_absent(path: str, data: bytes) -> bool:
+    # Write fully to a temp file first, then hard-link it into place: the link fails if the
+    # target exists, and readers never see a half-written manifest.
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        os.unlink(tmp)
+
+
+def _s3_put_if_absent(fs, uri: str, data: bytes) -> bool:
+    bucket, key = uri[len("s3://"):].split("/", 1)
+    try:
+        fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        return True
+    except FileExistsError:
+        return False
+    except OSError as err:
+        client_error = _s3_client_error(err)
+        if client_error is not None and (
+            client_error.response.get("Error", {}).get("Code") == "PreconditionFailed"
+            or client_error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+        ):
+            return False
+        raise
+
+
+def _hash_local_file(path: Path) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _verify(uri: str, entry: dict, size: int, sha256: str, manifest_uri: str) -> None:
+    if size != entry["size"]:
+        raise StoreError(f"{uri} is {size} bytes but its manifest {manifest_uri} says {entry['size']}; "
+                         "the committed file was changed or truncated. Delete the manifest and re-run "
+                         "the stage that wrote it.")
+    if sha256 != entry["sha256"]:
+        raise StoreError(f"{uri} has sha256 {sha256[:12]}... but its manifest {manifest_uri} says "
+                         f"{entry['sha256'][:12]}...; the committed file was changed. Delete the "
+                         "manifest and re-run the stage that wrote it.")
+
+
+def _missing_committed_file(uri: str, manifest_uri: str) -> str:
+    return (f"{uri} is listed in {manifest_uri} but does not exist; the store was modified after "
+            "the commit. Delete the manifest and re-run the stage that wrote it.")
+
+
+def _is_complete_copy(local_dir: Path, marker: Path, manifest: Manifest, source: str) -> bool:
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    if recorded.get("attempt") != manifest.attempt or recorded.get("source") != source:
+        return False
+    # Sizes are cheap to check and catch deleted or truncated local files.
+    for entry in manifest.files:
+        path = local_dir / entry["name"]
+        if not path.is_file() or path.stat().st_size != entry["size"]:
+            return False
+    return True
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err) or type(err).__name__
+    return f"{type(err).__name__}: {text}"
+
+
+__all__ = [
+    "Attempt", "Manifest", "Store", "StoreError", "StoreNotFoundError", "iteration_prefix",
+    "stage_prefix", "MANIFEST_NAME", "LATEST_NAME",
+]

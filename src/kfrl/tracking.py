@@ -1,0 +1,388 @@
+"""MLflow tracking for kfrl training runs.
+
+One MLflow run per kfrl training run, found again through the run tag ``kfrl.run_id`` so a
+resumed training run keeps logging into the same MLflow run. Every write is idempotent: a
+controller that crashes and re-records an iteration must not duplicate metrics, tables or
+registered model versions.
+
+All calls go through an ``MlflowClient`` bound to an explicit tracking and registry URI; the
+global ``mlflow`` state (``set_tracking_uri``, ``start_run``) is never touched, so Trackers with
+different URIs can live in one process.
+
+Checkpoint sources: MLflow's registry, used directly on a database (the embedded sqlite default),
+accepts any source string, local paths included. An ``mlflow server`` refuses a local path unless
+it lies inside the run's artifact directory. For a local checkpoint behind a server the Tracker
+logs a small pointer artifact ``checkpoints/iter-NNNNNN/POINTER.json`` (holding the store URI) and
+registers ``runs:/<run_id>/checkpoints/iter-NNNNNN`` instead. Either way the model version carries
+the real store URI in its tag ``kfrl.store_uri``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import posixpath
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+from mlflow.utils.validation import (
+    MAX_ENTITY_KEY_LENGTH,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRACKING_URI = "sqlite:///kfrl-runs/mlflow.db"
+
+RUN_ID_TAG = "kfrl.run_id"
+LAST_LOGGED_ITERATION_TAG = "kfrl.last_logged_iteration"
+STORE_URI_TAG = "kfrl.store_uri"
+ITERATION_TAG = "iteration"
+FINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+# A short, bounded retry for a tracking server that is briefly away (a restarting pod is healthy
+# again after ~20 s). MLflow's own HTTP session already retries connection errors; its defaults
+# (7 tries, factor 2) can stall training for minutes, so we only tune it: ~0+2+4+8+16 s.
+HTTP_RETRY_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
+
+# URI schemes of registries reached through a server, which validates model version sources.
+_SERVER_SCHEMES = {"http", "https", "databricks", "databricks-uc", "uc"}
+
+
+def flatten(d: Mapping, prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Nested mapping -> flat ``{"a.b.c": value}``; lists and tuples become JSON strings."""
+    flat: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, name, sep))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = json.dumps(value, default=str)
+        else:
+            flat[name] = value
+    return flat
+
+
+def resolve_tracking_uri(tracking_uri: str | None) -> str:
+    """Empty -> the embedded default; a sqlite URI becomes absolute and gets its folder created."""
+    uri = tracking_uri or DEFAULT_TRACKING_URI
+    db_path = sqlite_db_path(uri)
+    if db_path is None:
+        return uri
+    db_path = db_path.resolve()
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    query = uri.partition("?")[2]
+    # An absolute path keeps the run findable if the process later changes its working directory.
+    return f"sqlite:///{db_path}" + (f"?{query}" if query else "")
+
+
+def sqlite_db_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///path`` URI; None for other URIs and in-memory sqlite."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return None
+    path = uri[len(prefix):].partition("?")[0]
+    if path in ("", ":memory:"):
+        return None
+    return Path(path)
+
+
+def configure_http_retries() -> None:
+    """Apply HTTP_RETRY_DEFAULTS where the user has not set MLflow's variables themselves.
+
+    MLflow reads these variables on every request, so this is process-wide, but it only fills
+    gaps and never overrides a choice made in the environment.
+    """
+    for name, value in HTTP_RETRY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def quiet_mlflow_logs() -> None:
+    """Silence MLflow's per-database and per-call INFO chatter (schema creation, migrations)."""
+    for name in ("mlflow.store.db.utils", "mlflow.store.model_registry.abstract_store", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def is_local_uri(uri: str) -> bool:
+    """True for plain paths and ``file://`` URIs (a one-letter scheme is a Windows drive)."""
+    scheme = urlparse(uri).scheme
+    return scheme in ("", "file") or len(scheme) == 1
+
+
+def absolute_local_uri(uri: str) -> str:
+    """A local path made absolute; a ``file://`` URI is kept as it is."""
+    if urlparse(uri).scheme == "file":
+        return uri
+    return str(Path(uri).resolve())
+
+
+def is_server_uri(uri: str) -> bool:
+    """True when MLflow talks to a server, False for a database or folder it writes directly."""
+    # partition, not urlparse: "databricks" alone is a server URI without "://"
+    return uri.partition(":")[0] in _SERVER_SCHEMES
+
+
+def accepts_local_sources(registry_uri: str) -> bool:
+    """Whether the registry takes a local model version source as it is (see module docstring)."""
+    return not is_server_uri(registry_uri)
+
+
+def chunks(items: Sequence, size: int) -> Iterator[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def require_no_quote(kind: str, value: str) -> None:
+    # Values are interpolated into MLflow search filters, which have no escaping for quotes.
+    if "'" in value:
+        raise ValueError(f"{kind} must not contain a single quote: {value!r}")
+
+
+def checkpoint_artifact_dir(iteration: int) -> str:
+    return f"checkpoints/iter-{iteration:06d}"
+
+
+class Tracker:
+    """The MLflow side of one kfrl training run. See the module docstring."""
+
+    def __init__(self, tracking_uri: str | None, experiment_name: str, kfrl_run_id: str, *,
+                 run_name: str | None = None):
+        require_no_quote("kfrl_run_id", kfrl_run_id)
+        quiet_mlflow_logs()
+        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        if is_server_uri(self.tracking_uri):
+            configure_http_retries()
+        self.kfrl_run_id = kfrl_run_id
+        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        self.experiment_id = self._get_or_create_experiment(experiment_name)
+        self.mlflow_run_id = self._find_or_create_run(run_name)
+
+    # --- run lifecycle -------------------------------------------------------------------------
+
+    def _default_artifact_location(self) -> str | None:
+        # For the embedded sqlite store MLflow would put artifacts in ./mlruns of whatever the
+        # working directory is; keep them next to the database instead.
+        db_path = sqlite_db_path(self.tracking_uri)
+        return (db_path.parent / "artifacts").as_uri() if db_path else None
+
+    def _get_or_create_experiment(self, name: str) -> str:
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                return self.client.create_experiment(
+                    name, artifact_location=self._default_artifact_location())
+            except MlflowException as error:
+                if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                # Another tracker created it between our lookup and our create.
+                experiment = self.client.get_experiment_by_name(name)
+        if experiment.lifecycle_stage == "deleted":
+            logger.warning("MLflow experiment %r was deleted; restoring it", name)
+            self.client.restore_experiment(experiment.experiment_id)
+        return experiment.experiment_id
+
+    def _find_or_create_run(self, run_name: str | None) -> str:
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`{RUN_ID_TAG}` = '{self.kfrl_run_id}'",
+            order_by=["attributes.start_time ASC"],
+            max_results=10,
+        )
+        if not runs:
+            run = self.client.create_run(
+                self.experiment_id, run_name=run_name, tags={RUN_ID_TAG: self.kfrl_run_id})
+            return run.info.run_id
+        if len(runs) > 1:
+            logger.warning("%d MLflow runs carry kfrl.run_id=%s; using the oldest",
+                           len(runs), self.kfrl_run_id)
+        run = runs[0]
+        if run.info.status != "RUNNING":
+            # A resumed training run: reopen the run it finished or failed with.
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        return run.info.run_id
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if status not in FINAL_STATUSES:
+            raise ValueError(f"status must be one of {FINAL_STATUSES}, got {status!r}")
+        self.client.set_terminated(self.mlflow_run_id, status=status)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish("FINISHED" if exc_type is None else "FAILED")
+
+    # --- params and tags -----------------------------------------------------------------------
+
+    def log_params(self, params: Mapping) -> None:
+        """Log the flattened config. MLflow params are immutable: a key already logged with a
+        different value keeps its original value (with a warning) so that a resume never fails."""
+        wanted = self._param_values(params)
+        logged = self.client.get_run(self.mlflow_run_id).data.params
+        new_params = []
+        for key, value in wanted.items():
+            if key not in logged:
+                new_params.append(Param(key, value))
+            elif logged[key] != value:
+                logger.warning("param %r already logged as %r; keeping it, not %r",
+                               key, logged[key], value)
+        for batch in chunks(new_params, MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.mlflow_run_id, params=batch, synchronous=True)
+
+    @staticmethod
+    def _param_values(params: Mapping) -> dict[str, str]:
+        values = {}
+        for key, value in flatten(params).items():
+            if len(key) > MAX_ENTITY_KEY_LENGTH:
+                logger.warning("param key longer than %d characters skipped: %s...",
+                               MAX_ENTITY_KEY_LENGTH, key[:80])
+                continue
+            # Truncate here rather than let MLflow do it, so a later comparison sees the same value.
+            values[key] = str(value)[:MAX_PARAM_VAL_LENGTH]
+        return values
+
+    def set_tags(self, tags: Mapping) -> None:
+        run_tags = [RunTag(str(key), str(value)) for key, value in tags.items()]
+        for batch in chunks(run_tags, MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.mlflow_run_id, tags=batch, synchronous=True)
+
+    # --- metrics -------------------------------------------------------------------------------
+
+    def last_logged_iteration(self) -> int:
+        """The last iteration recorded by log_iteration; -1 when none was."""
+        tags = self.client.get_run(self.mlflow_run_id).data.tags
+        return int(tags.get(LAST_LOGGED_ITERATION_TAG, -1))
+
+    def log_iteration(self, iteration: int, metrics: Mapping[str, float]) -> bool:
+        """Log one iteration's metrics at step=iteration. Returns False, logging nothing, when
+        this iteration (or a later one) was already recorded."""
+        if iteration <= self.last_logged_iteration():
+            return False
+        metric_list = self._finite_metrics(iteration, metrics)
+        # The progress tag travels in the same log_batch as the last metrics, so an iteration
+        # counts as recorded only once all of its metrics are in (one store transaction when
+        # they fit a single batch). The client would put tags in the first batch, so we split.
+        *leading_batches, last_batch = list(chunks(metric_list, MAX_METRICS_PER_BATCH - 1)) or [[]]
+        for batch in leading_batches:
+            self.client.log_batch(self.mlflow_run_id, metrics=batch, synchronous=True)
+        progress_tag = RunTag(LAST_LOGGED_ITERATION_TAG, str(iteration))
+        self.client.log_batch(self.mlflow_run_id, metrics=last_batch, tags=[progress_tag],
+                              synchronous=True)
+        return True
+
+    @staticmethod
+    def _finite_metrics(iteration: int, metrics: Mapping[str, float]) -> list[Metric]:
+        timestamp_ms = int(time.time() * 1000)
+        metric_list = []
+        for name, value in metrics.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                logger.warning("metric %r at iteration %d is not a number (%r); skipped",
+                               name, iteration, value)
+                continue
+            if not math.isfinite(number):
+                logger.warning("metric %r at iteration %d is %s; skipped", name, iteration, number)
+                continue
+            metric_list.append(Metric(str(name), number, timestamp_ms, iteration))
+        return metric_list
+
+    # --- tables --------------------------------------------------------------------------------
+
+    def log_table(self, rows: Sequence[Mapping], artifact_file: str) -> None:
+        """Log rows as an MLflow table artifact (readable by ``MlflowClient.load_table``).
+
+        ``MlflowClient.log_table`` appends to an existing artifact, which would duplicate rows on
+        a re-record; this writes the same format itself and overwrites instead."""
+        import pandas as pd
+
+        if not artifact_file.endswith((".json", ".parquet")):
+            raise ValueError(f"table artifact must end in .json or .parquet: {artifact_file!r}")
+        frame = pd.DataFrame(list(rows))
+        artifact_dir, file_name = posixpath.split(posixpath.normpath(artifact_file))
+        with tempfile.TemporaryDirectory() as tmp:
+            local_file = os.path.join(tmp, file_name)
+            if file_name.endswith(".json"):
+                frame.to_json(local_file, orient="split", index=False, date_format="iso")
+            else:
+                frame.to_parquet(local_file, index=False)
+            self.client.log_artifact(self.mlflow_run_id, local_file, artifact_dir or None)
+        self._mark_as_table(artifact_file)
+
+    def _mark_as_table(self, artifact_file: str) -> None:
+        # load_table and the MLflow UI find tables through this run tag.
+        tags = self.client.get_run(self.mlflow_run_id).data.tags
+        tables = json.loads(tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+        entry = {"path": artifact_file, "type": "table"}
+        if entry not in tables:
+            tables.append(entry)
+            self.client.set_tag(self.mlflow_run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tables))
+
+    # --- model registry ------------------------------------------------------------------------
+
+    def register_checkpoint(self, model_name: str, source_uri: str, iteration: int, *,
+                            tags: Mapping | None = None) -> str:
+        """Register the checkpoint at source_uri as a version of model_name, once per
+        (kfrl run, iteration). Returns the version, the existing one on a repeated call."""
+        require_no_quote("model_name", model_name)
+        existing = self.find_checkpoint_version(model_name, iteration)
+        if existing is not None:
+            return existing
+        self._ensure_registered_model(model_name)
+        store_uri = absolute_local_uri(source_uri) if is_local_uri(source_uri) else source_uri
+        version_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        version_tags.update({
+            RUN_ID_TAG: self.kfrl_run_id,
+            ITERATION_TAG: str(iteration),
+            STORE_URI_TAG: store_uri,
+        })
+        version = self.client.create_model_version(
+            model_name,
+            self._model_version_source(store_uri, iteration),
+            run_id=self.mlflow_run_id,
+            tags=version_tags,
+            await_creation_for=0,  # sources are registered as they are; nothing to wait for
+        )
+        return str(version.version)
+
+    def find_checkpoint_version(self, model_name: str, iteration: int) -> str | None:
+        """The version registered for this kfrl run's iteration, or None."""
+        versions = self.client.search_model_versions(
+            f"name='{model_name}' and tag.`{RUN_ID_TAG}`='{self.kfrl_run_id}'"
+            f" and tag.`{ITERATION_TAG}`='{iteration}'")
+        if not versions:
+            return None
+        return str(min(int(version.version) for version in versions))
+
+    def _ensure_registered_model(self, model_name: str) -> None:
+        try:
+            self.client.create_registered_model(model_name)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+
+    def _model_version_source(self, store_uri: str, iteration: int) -> str:
+        if not is_local_uri(store_uri) or accepts_local_sources(self.tracking_uri):
+            return store_uri
+        # A server refuses local sources outside the run's artifacts: register a pointer there.
+        artifact_dir = checkpoint_artifact_dir(iteration)
+        pointer = {STORE_URI_TAG: store_uri, RUN_ID_TAG: self.kfrl_run_id, ITERATION_TAG: iteration}
+        self.client.log_dict(self.mlflow_run_id, pointer, f"{artifact_dir}/POINTER.json")
+        return f"runs:/{self.mlflow_run_id}/{artifact_dir}"
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(model_name, alias, str(version))
