@@ -6,6 +6,7 @@ the iteration's stages are committed, or raises ``IterationFailed`` naming where
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 from kfrl.config import Config
@@ -63,7 +64,9 @@ class LocalKfpRunner:
 
         self._init()
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "a") as log, _quiet_kfp(log):
+        with open(log_path, "a") as log, _quiet_kfp(log), warnings.catch_warnings():
+            # Cluster-only task settings (display names, retries' pod policy) are no-ops locally.
+            warnings.filterwarnings("ignore", message=".*no effect in the current local runner.*")
             try:
                 rl_iteration(run_uri=run_uri, iteration=iteration)
             except Exception as err:

@@ -34,5 +34,7 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    # The chat template goes into tokenizer_config.json (not only chat_template.jinja)
+    # so that older transformers releases, as used by some inference images, find it too.
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     return out_dir

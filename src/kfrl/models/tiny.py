@@ -24,8 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 from kfrl.data.synthetic import make_arith_rows
 
@@ -46,14 +48,31 @@ CHAT_TEMPLATE = (
 )
 
 # Printable ASCII plus newline and tab; characters outside it are not in the
-# vocabulary (the byte-level pre-tokenizer maps them to bytes that BPE drops).
-# The full 256-byte alphabet would break the "vocab < 200" budget.
+# vocabulary (BPE without byte fallback drops them). The full 256-byte
+# alphabet would break the "vocab < 200" budget.
 _ASCII_ALPHABET = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
 _ROLE_NAMES = ("system", "user", "assistant")
 DEFAULT_TOKENIZER_VOCAB = 160
 
 
 # --------------------------------------------------------------------------- tokenizer
+
+
+def _qwen_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """Qwen2's exact pre-tokenizer: its split regex, then byte-level mapping.
+
+    It must be Qwen's: AutoTokenizer loads any ``model_type: qwen2`` directory
+    as ``Qwen2Tokenizer``, which rebuilds the pipeline from vocab + merges with
+    this pre-tokenizer, so a different one would tokenise differently after a
+    save/load round trip. Its regex also isolates every digit (``\\p{N}``),
+    which keeps numbers digit-by-digit, as arithmetic needs.
+    """
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def _byte_level_alphabet(chars: Iterable[str]) -> list[str]:
@@ -63,26 +82,14 @@ def _byte_level_alphabet(chars: Iterable[str]) -> list[str]:
 
 
 def _chat_scaffold_texts() -> list[str]:
-    """Texts that teach BPE the chat template's role headers, so they merge."""
-    return [f"{IM_START}{role}\n" for role in _ROLE_NAMES] * 50
+    """Role headers of the chat template, so that role names become single tokens."""
+    return [f"{role}\n" for role in _ROLE_NAMES] * 50
 
 
-def build_tokenizer(corpus_texts: Iterable[str], vocab_size: int = DEFAULT_TOKENIZER_VOCAB) -> PreTrainedTokenizerFast:
-    """Train a small byte-level BPE tokenizer on the task corpus.
-
-    Digits are split off one by one *before* BPE runs, so every digit is its
-    own token and numbers are never merged: a multi-digit number then reads
-    digit by digit, which is what makes arithmetic learnable for a tiny model.
-    Regex word splitting is off so that recurring phrases ("What is ", " = ",
-    "\\n#### ") merge into single tokens and sequences stay short.
-    """
+def _train_bpe(corpus_texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tokenizer.normalizer = normalizers.NFC()  # as Qwen2Tokenizer
+    tokenizer.pre_tokenizer = _qwen_pre_tokenizer()
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -91,10 +98,26 @@ def build_tokenizer(corpus_texts: Iterable[str], vocab_size: int = DEFAULT_TOKEN
         show_progress=False,
     )
     tokenizer.train_from_iterator(list(corpus_texts) + _chat_scaffold_texts(), trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+    return tokenizer
+
+
+def build_tokenizer(corpus_texts: Iterable[str], vocab_size: int = DEFAULT_TOKENIZER_VOCAB) -> PreTrainedTokenizerFast:
+    """Train a small byte-level BPE tokenizer on the task corpus; return it as a Qwen2Tokenizer.
+
+    Every digit is its own token (Qwen's pre-tokenizer isolates digits before
+    BPE runs), so a multi-digit number reads digit by digit. Special tokens and
+    chat template follow Qwen: ``<|endoftext|>`` pads, ``<|im_end|>`` ends a turn.
+    Wrapping the trained vocab + merges in Qwen2Tokenizer makes the saved
+    ``tokenizer_config.json`` name the class that loaders pick for qwen2 anyway.
+    """
+    trained = json.loads(_train_bpe(corpus_texts, vocab_size).to_str())["model"]
+    return Qwen2Tokenizer(
+        vocab=trained["vocab"],
+        merges=[tuple(merge) for merge in trained["merges"]],
+        unk_token=None,
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
+        extra_special_tokens=[IM_START],
         padding_side="left",  # generation appends on the right
         chat_template=CHAT_TEMPLATE,
         model_max_length=128,
@@ -111,8 +134,8 @@ def arith_corpus(rows: Sequence[dict]) -> list[str]:
 
 @dataclass(frozen=True)
 class TinyModelShape:
-    hidden_size: int = 128
-    layers: int = 4
+    hidden_size: int = 96
+    layers: int = 3
     heads: int = 4
     kv_heads: int = 2
     intermediate_size: int = 256
@@ -222,21 +245,33 @@ def sft_warm_start(
     lr: float,
     batch_size: int,
     seed: int,
+    *,
+    eval_rows: Sequence[dict] | None = None,
+    stop_at_accuracy: float | None = None,
+    eval_every: int = 25,
     log_every: int = 0,
 ) -> dict:
     """Supervised warm start on the reference solutions (response tokens only).
 
-    AdamW with a short warmup and cosine decay. Returns metrics: first/last
-    loss (the last averaged over the final 10 steps), steps, seconds.
+    AdamW with a short warmup and cosine decay over `steps`. With `eval_rows`
+    and `stop_at_accuracy`, the sampled (temperature 1) accuracy on eval_rows
+    is measured every `eval_every` steps and training stops once it reaches
+    the target. Why: this task is learnt in a sharp transition (accuracy goes
+    from ~10 % to ~90 % within a few hundred steps, at a point that moves with
+    seed and floating-point details), so a fixed step count cannot reliably
+    leave a policy that is right on only part of the prompts, which is what RL
+    needs to have signal. Deterministic for a given seed on a given platform.
     """
     data = encode_sft_examples(tokenizer, rows)
     device = model.device
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup_steps = max(1, steps // 20)
-    model.train()
+    early_stopping = eval_rows is not None and stop_at_accuracy is not None
+    eval_accuracy = None
     losses: list[float] = []
     started = time.perf_counter()
+    model.train()
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = _cosine_lr(step, steps, lr, warmup_steps)
@@ -255,14 +290,23 @@ def sft_warm_start(
         losses.append(loss.item())
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f}", flush=True)
+        if early_stopping and (step + 1) % eval_every == 0:
+            eval_accuracy = answer_accuracy(model, tokenizer, eval_rows, do_sample=True, seed=seed + step)["accuracy"]
+            model.train()
+            if eval_accuracy >= stop_at_accuracy:
+                break
     model.eval()
     tail = losses[-10:]
-    return {
-        "sft/steps": steps,
+    metrics = {
+        "sft/steps": len(losses),
+        "sft/max_steps": steps,
         "sft/loss_first": losses[0] if losses else float("nan"),
         "sft/loss_last": sum(tail) / len(tail) if tail else float("nan"),
         "sft/seconds": time.perf_counter() - started,
     }
+    if eval_accuracy is not None:
+        metrics["sft/eval_sampled_accuracy"] = eval_accuracy
+    return metrics
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -308,8 +352,12 @@ def answer_accuracy(
     seed: int = 0,
 ) -> dict[str, float]:
     """Fraction of rows whose response passes the strict rule, and fraction in `#### n` format."""
-    torch.manual_seed(seed)
-    responses = generate_responses(model, tokenizer, rows, do_sample=do_sample)
+    model.eval()
+    # A private RNG stream: evaluating must not shift the caller's random state.
+    cuda_devices = [model.device.index or 0] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.manual_seed(seed)
+        responses = generate_responses(model, tokenizer, rows, do_sample=do_sample)
     answers = [strict_final_answer(text) for text in responses]
     correct = [a == row["reward_model"]["ground_truth"] for a, row in zip(answers, rows)]
     return {
@@ -328,11 +376,16 @@ class BuiltinRecipe:
     seed: int = 0
     n_sft_rows: int = 4000
     tokenizer_vocab: int = DEFAULT_TOKENIZER_VOCAB
-    hidden_size: int = 128
-    layers: int = 4
-    sft_steps: int = 300
+    hidden_size: int = 96
+    layers: int = 3
+    sft_max_steps: int = 900
     sft_lr: float = 3e-3
     sft_batch_size: int = 64
+    # Stop the warm start once sampled accuracy on held-out training-split
+    # prompts reaches this, leaving RL room to improve (see sft_warm_start).
+    sft_stop_at_accuracy: float = 0.4
+    n_eval_rows: int = 128
+    sft_eval_every: int = 25
     # Bump when code changes alter the result without changing the fields above.
     revision: int = 1
 
@@ -357,6 +410,23 @@ def _resolve_builtin(name: str) -> tuple[str, BuiltinRecipe]:
     return bare, BUILTIN_MODELS[bare]
 
 
+def held_out_rows(sft_rows: Sequence[dict], n: int, seed: int) -> list[dict]:
+    """n training-split rows whose questions are not among sft_rows (none repeated).
+
+    Used to decide when to stop the warm start without looking at the test split.
+    """
+    seen = {row["extra_info"]["question"] for row in sft_rows}
+    picked: list[dict] = []
+    for row in make_arith_rows(8 * n, seed + 1, "train"):
+        question = row["extra_info"]["question"]
+        if question not in seen:
+            seen.add(question)
+            picked.append(row)
+            if len(picked) == n:
+                break
+    return picked
+
+
 def build_builtin(recipe: BuiltinRecipe, out_dir: Path) -> dict:
     """Build tokenizer + model + SFT warm start for `recipe` and save it as an HF dir."""
     from kfrl.models.hf_io import save_hf  # local import: hf_io is a thin sibling module
@@ -365,7 +435,16 @@ def build_builtin(recipe: BuiltinRecipe, out_dir: Path) -> dict:
     tokenizer = build_tokenizer(arith_corpus(rows), vocab_size=recipe.tokenizer_vocab)
     model = build_tiny_model(tokenizer, recipe.seed, hidden_size=recipe.hidden_size, layers=recipe.layers)
     metrics = sft_warm_start(
-        model, tokenizer, rows, recipe.sft_steps, recipe.sft_lr, recipe.sft_batch_size, recipe.seed
+        model,
+        tokenizer,
+        rows,
+        steps=recipe.sft_max_steps,
+        lr=recipe.sft_lr,
+        batch_size=recipe.sft_batch_size,
+        seed=recipe.seed,
+        eval_rows=held_out_rows(rows, recipe.n_eval_rows, recipe.seed),
+        stop_at_accuracy=recipe.sft_stop_at_accuracy,
+        eval_every=recipe.sft_eval_every,
     )
     save_hf(model, tokenizer, out_dir)
     (out_dir / "kfrl_builtin.json").write_text(
