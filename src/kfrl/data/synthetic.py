@@ -87,14 +87,15 @@ def _as_problem(question_fields: ArithProblem | Mapping) -> ArithProblem:
 
 
 def reference_solution(question_fields: ArithProblem | Mapping) -> str:
-    """The worked answer used as the SFT target, e.g. '37 + 58 = 95\\n#### 95'.
+    """The worked answer used as the SFT target, e.g. '37+58=95\\n#### 95'.
 
     Restating the sum gives the model a few tokens to "look at" the operands
     next to each other before committing to the final line; the final line is
-    what veRL's gsm8k strict rule reads.
+    what veRL's gsm8k strict rule reads. No spaces in the restatement: that
+    keeps the longest response (99+99) at 16 tokens with the eos.
     """
     problem = _as_problem(question_fields)
-    return f"{problem.a} {problem.op} {problem.b} = {problem.result}\n#### {problem.result}"
+    return f"{problem.a}{problem.op}{problem.b}={problem.result}\n#### {problem.result}"
 
 
 def problem_to_row(problem: ArithProblem, split: str, index: int) -> dict:

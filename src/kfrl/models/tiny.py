@@ -387,7 +387,7 @@ class BuiltinRecipe:
     n_eval_rows: int = 128
     sft_eval_every: int = 25
     # Bump when code changes alter the result without changing the fields above.
-    revision: int = 1
+    revision: int = 2
 
 
 BUILTIN_MODELS: dict[str, BuiltinRecipe] = {"tiny-qwen2-arith": BuiltinRecipe()}
@@ -395,7 +395,7 @@ BUILTIN_PREFIX = "builtin:"
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("KFRL_CACHE_DIR") or Path.home() / ".cache" / "kfrl")
+    return Path(os.environ.get("KFRL_CACHE_DIR") or Path.home() / ".cache" / "kfrl").expanduser()
 
 
 def _recipe_key(recipe: BuiltinRecipe) -> str:
@@ -453,6 +453,13 @@ def build_builtin(recipe: BuiltinRecipe, out_dir: Path) -> dict:
     return metrics
 
 
+def _make_world_readable(directory: Path) -> None:
+    """mkdtemp (and some writers) create private files; the cache may be shared between users."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
 def materialize_builtin(name: str, cache_dir: Path | None = None) -> Path:
     """Return the HF directory of builtin model `name`, building it on first use.
 
@@ -469,7 +476,7 @@ def materialize_builtin(name: str, cache_dir: Path | None = None) -> Path:
     staging_dir = Path(tempfile.mkdtemp(prefix=f".{bare}-building-", dir=cache_dir))
     try:
         build_builtin(recipe, staging_dir)
-        staging_dir.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        _make_world_readable(staging_dir)
         try:
             os.rename(staging_dir, final_dir)
         except OSError:
