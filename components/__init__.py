@@ -7,11 +7,16 @@ cluster) or the project venv (locally) provides kfp and kfrl.
 """
 from kfrl.components.stages import (
     advantage_op,
+    infer_op,
+    iteration_op,
     old_logprob_op,
     ref_logprob_op,
     rollout_op,
     score_op,
+    train_op,
     update_actor_op,
 )
 
-__all__ = ["rollout_op", "score_op", "old_logprob_op", "ref_logprob_op", "advantage_op", "update_actor_op"]
+__all__ = ["rollout_op", "score_op", "old_logprob_op", "ref_logprob_op", "advantage_op", "update_actor_op",
+           "infer_op", "train_op",
+           "iteration_op"]

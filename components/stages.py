@@ -44,3 +44,22 @@ def advantage_op(run_uri: str, iteration: int, score_uri: str, old_logprob_uri: 
 def update_actor_op(run_uri: str, iteration: int, advantage_uri: str, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("update_actor", run_uri, iteration, metrics)
+
+
+# Fused components (pipeline.fuse): the same stage functions, fewer processes per iteration.
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def infer_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_group_for_kfp
+    return run_group_for_kfp("infer", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def train_op(run_uri: str, iteration: int, infer_uri: str, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_group_for_kfp
+    return run_group_for_kfp("train", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def iteration_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_group_for_kfp
+    return run_group_for_kfp("iteration", run_uri, iteration, metrics)

@@ -13,10 +13,13 @@ def compiled_path(name: str = "rl_iteration") -> Path:
 def compile_pipelines(output_dir: str | Path | None = None) -> list[Path]:
     from kfp import compiler
 
-    from kfrl.pipelines.rl_iteration import rl_iteration
+    from kfrl.pipelines.rl_iteration import PIPELINES
 
     out = Path(output_dir) if output_dir else COMPILED_DIR
     out.mkdir(parents=True, exist_ok=True)
-    target = out / "rl_iteration.yaml"
-    compiler.Compiler().compile(rl_iteration, str(target))
-    return [target]
+    written = []
+    for name, pipeline in PIPELINES.items():
+        target = out / f"{name}.yaml"
+        compiler.Compiler().compile(pipeline, str(target))
+        written.append(target)
+    return written

@@ -3,7 +3,11 @@
     rollout ─► score ─┬─► old_logprob ─┐
                       └─► ref_logprob ─┴─► advantage ─► update_actor
 
-old_logprob and ref_logprob are parallel branches. A stage the algorithm does not need (no KL →
+old_logprob and ref_logprob are parallel branches.
+
+``rl_iteration_fused`` runs the same stage functions as two tasks, ``infer`` (rollout, score,
+old/ref log-probs) then ``train`` (advantage, update_actor), and ``rl_iteration_single`` as one
+task, so weights and imports are loaded once per task (config ``pipeline.fuse``). A stage the algorithm does not need (no KL →
 no reference; the on-policy shortcut → no old-logprob pass) still appears as a task and records
 why it was skipped, so one compiled pipeline serves every config.
 """
@@ -11,14 +15,19 @@ from kfp import dsl
 
 from kfrl.components.stages import (
     advantage_op,
+    infer_op,
+    iteration_op,
     old_logprob_op,
     ref_logprob_op,
     rollout_op,
     score_op,
+    train_op,
     update_actor_op,
 )
 
 PIPELINE_NAME = "kfrl-rl-iteration"
+FUSED_PIPELINE_NAME = "kfrl-rl-iteration-fused"
+SINGLE_PIPELINE_NAME = "kfrl-rl-iteration-single"
 RETRIES = 2
 
 
@@ -45,3 +54,26 @@ def rl_iteration(run_uri: str, iteration: int) -> str:
     update = _task(update_actor_op(run_uri=run_uri, iteration=iteration, advantage_uri=adv.outputs["Output"]),
                    "update_actor")
     return update.outputs["Output"]
+
+
+@dsl.pipeline(name=FUSED_PIPELINE_NAME, description="One veRL-style RL iteration in two fused tasks: "
+              "infer (rollout, score, old/ref log-probs) and train (advantage, actor update).")
+def rl_iteration_fused(run_uri: str, iteration: int) -> str:
+    infer = _task(infer_op(run_uri=run_uri, iteration=iteration), "infer")
+    train = _task(train_op(run_uri=run_uri, iteration=iteration, infer_uri=infer.outputs["Output"]), "train")
+    return train.outputs["Output"]
+
+
+@dsl.pipeline(name=SINGLE_PIPELINE_NAME, description="One veRL-style RL iteration as a single task "
+              "(all stages in one process).")
+def rl_iteration_single(run_uri: str, iteration: int) -> str:
+    return _task(iteration_op(run_uri=run_uri, iteration=iteration), "iteration").outputs["Output"]
+
+
+PIPELINES = {"rl_iteration": rl_iteration, "rl_iteration_fused": rl_iteration_fused,
+             "rl_iteration_single": rl_iteration_single}
+FUSE_TO_PIPELINE = {"none": "rl_iteration", "weights": "rl_iteration_fused", "all": "rl_iteration_single"}
+
+
+def pipeline_for(fuse: str) -> str:
+    return FUSE_TO_PIPELINE[fuse]

@@ -40,7 +40,8 @@ def test_two_iterations_through_kfp_local_s3_and_mlflow(s3_bucket, mlflow_server
 
     cfg = load_config(Path("configs/demo.yaml"), SMALL + [
         f"store.uri=s3://{s3_bucket}/runs", f"tracking.uri={mlflow_server}", "pipeline.runner=local",
-        f"pipeline.pipeline_root={tmp_path / 'kfp'}", "trainer.total_iterations=2", "trainer.save_freq=1",
+        f"pipeline.pipeline_root={tmp_path / 'kfp'}", "pipeline.fuse=none", "trainer.total_iterations=2",
+        "trainer.save_freq=1",
         "trainer.experiment_name=e2e"])
     summary = train(cfg, run_id="e2e-run")
     assert sorted(summary.iterations) == [1, 2]
@@ -90,7 +91,9 @@ def test_two_iterations_through_kfp_local_s3_and_mlflow(s3_bucket, mlflow_server
 def test_interrupted_run_resumes_from_latest(tmp_path):
     store_dir, db = tmp_path / "store", tmp_path / "mlflow.db"
     args = [sys.executable, "-m", "kfrl.cli", "train", "--config", "configs/demo.yaml", "--store", str(store_dir),
-            "--tracking-uri", f"sqlite:///{db}", "--run-id", "r1", "--runner", "inline", "-n", "3", *SMALL]
+            "--tracking-uri", f"sqlite:///{db}", "--run-id", "r1", "-n", "3", *SMALL,
+            f"pipeline.pipeline_root={tmp_path / 'kfp'}"]  # KFP local runner, fused
+    args.append("pipeline.fuse=weights")
     run_dir = Store(str(store_dir / "demo" / "r1"))
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300

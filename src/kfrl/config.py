@@ -119,6 +119,11 @@ class PipelineConfig(Section):
     # local: kfp.local SubprocessRunner; inline: call the stage functions in this process (no KFP);
     # kfp: submit to a KFP cluster with kfp.Client.
     runner: Literal["local", "inline", "kfp"] = "local"
+    # How stages map to KFP tasks. "none": one task per stage (every stage visible and separately
+    # scalable). "weights": two tasks, infer (rollout, score, old/ref log-probs) and train
+    # (advantage, update). "all": one task per iteration. Each task is a new process that pays
+    # ~4.5 s of torch/transformers imports on 2 CPU cores, so fusing matters on the local runner.
+    fuse: Literal["none", "weights", "all"] = "none"
     host: str = ""
     pipeline_root: str = "./kfrl-runs/kfp"
     image: str = "ghcr.io/kfrl/kfrl:latest"

@@ -43,8 +43,9 @@ class LocalKfpRunner:
 
     name = "local"
 
-    def __init__(self, pipeline_root: str):
+    def __init__(self, pipeline_root: str, fuse: str = "none"):
         self.pipeline_root = str(Path(pipeline_root).expanduser().resolve())
+        self.fuse = fuse
 
     def _init(self) -> None:
         global _LOCAL_ROOT
@@ -60,15 +61,16 @@ class LocalKfpRunner:
     def run(self, run_uri: str, iteration: int, log_path: Path) -> None:
         import logging
 
-        from kfrl.pipelines.rl_iteration import rl_iteration
+        from kfrl.pipelines.rl_iteration import PIPELINES, pipeline_for
 
+        pipeline = PIPELINES[pipeline_for(self.fuse)]
         self._init()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as log, _quiet_kfp(log), warnings.catch_warnings():
             # Cluster-only task settings (display names, retries' pod policy) are no-ops locally.
             warnings.filterwarnings("ignore", message=".*no effect in the current local runner.*")
             try:
-                rl_iteration(run_uri=run_uri, iteration=iteration)
+                pipeline(run_uri=run_uri, iteration=iteration)
             except Exception as err:
                 logging.getLogger(__name__).debug("pipeline failed", exc_info=True)
                 tail = _tail(log_path)
@@ -98,9 +100,10 @@ class ClusterKfpRunner:
 
     def run(self, run_uri: str, iteration: int, log_path: Path) -> None:
         from kfrl.pipelines.compile import compiled_path
+        from kfrl.pipelines.rl_iteration import pipeline_for
 
         result = self.client.create_run_from_pipeline_package(
-            str(compiled_path()), arguments={"run_uri": run_uri, "iteration": iteration},
+            str(compiled_path(pipeline_for(self.config.pipeline.fuse))), arguments={"run_uri": run_uri, "iteration": iteration},
             run_name=f"{self.config.trainer.experiment_name}-{Path(run_uri).name}-iter-{iteration}",
             experiment_name=self.config.trainer.project_name, enable_caching=False,
         )
@@ -116,7 +119,7 @@ def make_runner(config: Config):
     if kind == "inline":
         return InlineRunner()
     if kind == "local":
-        return LocalKfpRunner(config.pipeline.pipeline_root)
+        return LocalKfpRunner(config.pipeline.pipeline_root, fuse=config.pipeline.fuse)
     return ClusterKfpRunner(config)
 
 

@@ -17,6 +17,10 @@ from kfrl.stages.context import StageContext, StageInputError, stage_prefix
 # Execution order within one iteration (a valid topological order of the DAG).
 STAGES = ("rollout", "score", "old_logprob", "ref_logprob", "advantage", "update_actor")
 
+# Fused components: stages that share a process, so weights and imports are loaded once.
+FUSED_GROUPS = {"infer": ("rollout", "score", "old_logprob", "ref_logprob"), "train": ("advantage", "update_actor"),
+                "iteration": ("rollout", "score", "old_logprob", "ref_logprob", "advantage", "update_actor")}
+
 # veRL's timing_s/<name> for each stage, so kfrl runs compare with veRL runs.
 TIMING_NAMES = {"rollout": "gen", "score": "reward", "old_logprob": "old_log_prob", "ref_logprob": "ref",
                 "advantage": "adv", "update_actor": "update_actor"}
@@ -77,4 +81,9 @@ def run_stage(stage: str, run_uri: str, iteration: int) -> StageResult:
     return StageResult(stage, ctx.store.url(prefix), dict(manifest.metrics), False, "")
 
 
-__all__ = ["STAGES", "TIMING_NAMES", "StageResult", "StageInputError", "plan", "run_stage", "skip_reason"]
+def run_stages(stages, run_uri: str, iteration: int) -> list[StageResult]:
+    """Several stages in order in this process (a fused component); models are cached between them."""
+    return [run_stage(stage, run_uri, iteration) for stage in stages]
+
+
+__all__ = ["FUSED_GROUPS", "run_stages", "STAGES", "TIMING_NAMES", "StageResult", "StageInputError", "plan", "run_stage", "skip_reason"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -33,6 +34,14 @@ def quiet_transformers() -> None:
 
 def cache_root() -> Path:
     return Path(os.environ.get("KFRL_CACHE_DIR") or Path.home() / ".cache" / "kfrl")
+
+
+# Inference models and tokenizers loaded in this process, keyed by local checkpoint dir and dtype:
+# fused stages (and the inline runner) load each set of weights once. Two entries cover the
+# policy and the reference model; training copies are never cached (the update mutates them).
+_MODEL_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+_TOKENIZER_CACHE: dict[str, object] = {}
+MODEL_CACHE_SIZE = 2
 
 
 @dataclass
@@ -120,7 +129,10 @@ class StageContext:
         from kfrl.models.hf_io import load_tokenizer
 
         quiet_transformers()
-        return load_tokenizer(self.checkpoint_dir(manifest))
+        local = str(self.checkpoint_dir(manifest))
+        if local not in _TOKENIZER_CACHE:
+            _TOKENIZER_CACHE[local] = load_tokenizer(local)
+        return _TOKENIZER_CACHE[local]
 
     def load_model(self, manifest: Manifest, *, for_training: bool = False):
         """Inference: compute dtype (bf16 on CUDA). Training: fp32 master weights (autocast does bf16)."""
@@ -129,8 +141,15 @@ class StageContext:
         from kfrl.models.hf_io import load_causal_lm
 
         quiet_transformers()
-        dtype = torch.float32 if for_training else self.compute_dtype
-        model = load_causal_lm(self.checkpoint_dir(manifest), dtype=dtype, device=self.device)
-        if not for_training:
-            model.eval()
+        local = self.checkpoint_dir(manifest)
+        if for_training:
+            return load_causal_lm(local, dtype=torch.float32, device=self.device)
+        key = (str(local), str(self.compute_dtype), self.device)
+        if key in _MODEL_CACHE:
+            _MODEL_CACHE.move_to_end(key)
+            return _MODEL_CACHE[key]
+        model = load_causal_lm(local, dtype=self.compute_dtype, device=self.device).eval()
+        _MODEL_CACHE[key] = model
+        while len(_MODEL_CACHE) > MODEL_CACHE_SIZE:
+            _MODEL_CACHE.popitem(last=False)
         return model

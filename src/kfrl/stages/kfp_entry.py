@@ -7,7 +7,22 @@ import math
 def run_for_kfp(stage: str, run_uri: str, iteration: int, metrics_artifact) -> str:
     from kfrl.stages import run_stage
 
-    result = run_stage(stage, run_uri, int(iteration))
+    return _report(run_stage(stage, run_uri, int(iteration)), iteration, metrics_artifact)
+
+
+def run_group_for_kfp(group: str, run_uri: str, iteration: int, metrics_artifact) -> str:
+    """A fused component: the group's stages in one process; returns the last stage's URI."""
+    from kfrl.stages import FUSED_GROUPS, run_stage
+
+    uri = ""
+    for stage in FUSED_GROUPS[group]:
+        uri = _report(run_stage(stage, run_uri, int(iteration)), iteration, metrics_artifact)
+    metrics_artifact.metadata["stage"] = group
+    return uri
+
+
+def _report(result, iteration: int, metrics_artifact) -> str:
+    stage = result.stage
     for key, value in result.metrics.items():
         if isinstance(value, (int, float)) and math.isfinite(value):
             # KFP metric names may not contain "/" in every UI version; keep veRL's name readable.

@@ -1,0 +1,97 @@
+"""The KFP pipeline: compiled YAML is current, the DAG has the documented shape, and the cluster
+runner submits one run per iteration through kfp.Client."""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import yaml
+
+from kfrl.config import load_config
+from kfrl.pipelines.compile import compile_pipelines, compiled_path
+from kfrl.runners import ClusterKfpRunner, IterationFailed
+
+
+def test_committed_yaml_is_up_to_date(tmp_path):
+    written = compile_pipelines(tmp_path)
+    assert {p.name for p in written} == {"rl_iteration.yaml", "rl_iteration_fused.yaml", "rl_iteration_single.yaml"}
+    for fresh in written:
+        assert compiled_path(fresh.stem).read_text() == fresh.read_text(), \
+            f"pipelines/compiled/{fresh.name} is stale: run `kfrl compile`"
+
+
+def test_fused_pipeline_is_infer_then_train():
+    spec = yaml.safe_load(compiled_path("rl_iteration_fused").read_text())
+    tasks = spec["root"]["dag"]["tasks"]
+    assert set(tasks) == {"infer-op", "train-op"}
+    assert tasks["train-op"]["dependentTasks"] == ["infer-op"]
+    single = yaml.safe_load(compiled_path("rl_iteration_single").read_text())
+    assert set(single["root"]["dag"]["tasks"]) == {"iteration-op"}
+
+
+def test_dag_shape_parallel_branches_and_retries():
+    spec = yaml.safe_load(compiled_path().read_text())
+    tasks = spec["root"]["dag"]["tasks"]
+    deps = {name: set(task.get("dependentTasks", [])) for name, task in tasks.items()}
+    assert deps["rollout-op"] == set()
+    assert deps["score-op"] == {"rollout-op"}
+    assert deps["old-logprob-op"] == {"score-op"} and deps["ref-logprob-op"] == {"score-op"}
+    assert deps["advantage-op"] == {"score-op", "old-logprob-op", "ref-logprob-op"}
+    assert deps["update-actor-op"] == {"advantage-op"}
+    for task in tasks.values():
+        assert task["retryPolicy"]["maxRetryCount"] == 2
+    assert set(spec["root"]["inputDefinitions"]["parameters"]) == {"run_uri", "iteration"}
+    for executor in spec["deploymentSpec"]["executors"].values():
+        assert "pip install" not in " ".join(executor["container"]["command"])  # install_kfp_package=False
+
+
+class FakeKfp(BaseHTTPRequestHandler):
+    """Just enough of KFP's v2beta1 REST API for kfp.Client: experiments, runs, run status."""
+    posted: list = []
+    final_state = "SUCCEEDED"
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        if path.endswith("/healthz"):
+            return self._send({"multi_user": False})
+        if path == "/apis/v2beta1/experiments":
+            return self._send({"experiments": [{"experiment_id": "exp-1", "display_name": "kfrl"}]})
+        if path.startswith("/apis/v2beta1/runs/"):
+            return self._send({"run_id": path.rsplit("/", 1)[1], "state": self.final_state})
+        return self._send({})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeKfp.posted.append((self.path, body))
+        self._send({"run_id": f"run-{len(FakeKfp.posted)}", "experiment_id": "exp-1", **body})
+
+
+def test_cluster_runner_submits_compiled_pipeline_with_arguments():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeKfp)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = load_config(None, [f"pipeline.runner=kfp", f"pipeline.host=http://127.0.0.1:{server.server_address[1]}"])
+        runner = ClusterKfpRunner(cfg)
+        runner.run("s3://bucket/runs/demo/r1", 3, Path("unused.log"))
+        path, body = [p for p in FakeKfp.posted if p[0] == "/apis/v2beta1/runs"][-1]
+        assert body["runtime_config"]["parameters"] == {"run_uri": "s3://bucket/runs/demo/r1", "iteration": 3}
+        assert "kfrl-rl-iteration" in json.dumps(body["pipeline_spec"])
+        FakeKfp.final_state = "FAILED"
+        try:
+            runner.run("s3://bucket/runs/demo/r1", 4, Path("unused.log"))
+            raise AssertionError("a failed KFP run must raise")
+        except IterationFailed as err:
+            assert "FAILED" in str(err)
+    finally:
+        server.shutdown()
