@@ -55,6 +55,9 @@ class RolloutConfig(Section):
     # Prompts per generate() call; 0 = all at once.
     micro_batch_size: int = Field(0, ge=0)
     log_prob_micro_batch_size_per_gpu: int = Field(64, ge=1)
+    # HF backend KV cache: "static" pre-allocates it and lets transformers compile the decode
+    # step (faster on GPU after a one-off compile; no gain on CPU).
+    hf_cache: Literal["dynamic", "static"] = "dynamic"
 
 
 class AlgorithmConfig(Section):

@@ -57,7 +57,9 @@ def update_actor(model, optimizer, data: UpdateBatch, actor_cfg, *, mini_batch_s
                 rows = mini_rows[mc_start:mc_start + micro].to(device)
                 batch = full.select(rows)
                 mask = batch.response_mask
-                want_entropy = True  # cheap next to the forward; veRL reports actor/entropy
+                # Entropy costs a softmax over the vocabulary: only when it is in the loss, or when
+                # no old-logprob pass reported actor/entropy for this batch.
+                want_entropy = actor_cfg.entropy_coeff != 0 or old is None
                 log_prob, entropy = forward_response(model, batch, temperature, want_entropy, autocast_dtype)
                 old_lp = old[rows] if old is not None else log_prob.detach()
                 pg_loss, pg_metrics = policy_loss(
@@ -82,7 +84,8 @@ def update_actor(model, optimizer, data: UpdateBatch, actor_cfg, *, mini_batch_s
                 metrics["actor/pg_loss"].append(float(pg_loss.detach()))
                 for key, value in pg_metrics.items():
                     metrics[key].append(float(value))
-                metrics["actor/entropy"].append(float(agg_loss(entropy.detach(), mask, "token-mean")))
+                if entropy is not None:
+                    metrics["actor/entropy"].append(float(agg_loss(entropy.detach(), mask, "token-mean")))
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), actor_cfg.grad_clip)
             if torch.isfinite(grad_norm):
                 optimizer.step()

@@ -42,10 +42,12 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
                                cfg.data.max_prompt_length, f"{source} row {int(i)}")
                for r, i in zip(records, rows)]
     params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.data.max_response_length)
+                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.data.max_response_length,
+                            cache_implementation=cfg.rollout.hf_cache)
     generations = generate_responses(model, tokenizer, prompts, params,
                                      micro_batch_size=cfg.rollout.micro_batch_size,
-                                     seed=cfg.trainer.seed * 1_000_003 + ctx.iteration)
+                                     seed=cfg.trainer.seed * 1_000_003 + ctx.iteration,
+                                     logprob_micro_batch_size=cfg.rollout.log_prob_micro_batch_size_per_gpu)
 
     columns: dict[str, list] = {name: [] for name in batch.GROUPS["rollout"].names}
     for p, (record, row_index, prompt_ids) in enumerate(zip(records, rows, prompts)):

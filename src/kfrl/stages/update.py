@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from kfrl.stages.context import StageContext
@@ -47,6 +48,7 @@ def update_actor(ctx: StageContext, attempt) -> dict[str, float]:
     metrics = run_update(model, optimizer, data, cfg.actor, mini_batch_size=cfg.mini_batch_trajectories,
                          temperature=cfg.rollout.temperature, pad_id=tokenizer.pad_token_id or 0,
                          autocast_dtype=ctx.compute_dtype, seed=cfg.trainer.seed + ctx.iteration)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kfrl-ckpt-") as tmp:
         out = Path(tmp)
         save_hf(model, tokenizer, out)
@@ -56,4 +58,5 @@ def update_actor(ctx: StageContext, attempt) -> dict[str, float]:
             "optimizer_steps": cfg.n_mini_batches * cfg.actor.ppo_epochs * ctx.iteration,
         }))
         attempt.upload_dir(out)
+    metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
     return metrics

@@ -1,0 +1,121 @@
+"""One GRPO iteration of a Qwen2.5-0.5B-shaped model (random init) on one GPU, stage by stage.
+
+    python bench/gpu_iteration.py --out results.json [--iterations 2]
+
+Runs the same stage functions the pipeline runs (inline, local store), with the issue's shape:
+64 prompts x 4 samples, 256 new tokens, KL loss on (so the reference pass runs), 4 mini-batches (so
+the old-logprob pass runs). A random-init model almost never emits EOS, so every response is the
+full 256 tokens: the worst case for rollout. Prints one JSON object: per-stage seconds and peak
+GPU memory, tokens per second, and the config used.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                  tie_word_embeddings=True, rms_norm_eps=1e-6)
+
+
+def build_model_dir(out: Path) -> Path:
+    """A random-init 0.5B Qwen2 and a word-level tokenizer with the same 151,936-entry vocabulary."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from kfrl.models.tiny import CHAT_TEMPLATE
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for word in "What is + ? user assistant".split() + [str(d) for d in range(10)]:
+        vocab.setdefault(word, len(vocab))
+    while len(vocab) < QWEN25_05B["vocab_size"]:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(True)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                        additional_special_tokens=["<|im_start|>"], padding_side="left")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN25_05B, pad_token_id=0, eos_token_id=2, bos_token_id=0)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=2, pad_token_id=0, bos_token_id=0)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--response-length", type=int, default=256)
+    parser.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic")
+    args = parser.parse_args()
+
+    import torch
+
+    from kfrl.config import load_config
+    from kfrl.stages import STAGES, run_stage
+    from kfrl.stages.prepare import prepare_run
+    from kfrl.store import Store
+
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
+    work = Path(tempfile.mkdtemp(prefix="kfrl-bench-"))
+    t0 = time.perf_counter()
+    model_dir = build_model_dir(work / "model")
+    build_s = time.perf_counter() - t0
+    overrides = [
+        f"model.path={model_dir}", f"store.uri={work / 'store'}", "pipeline.runner=inline",
+        f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}", f"data.max_response_length={args.response_length}",
+        "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=16", "actor.use_kl_loss=true",
+        "rollout.log_prob_micro_batch_size_per_gpu=64", "actor.lr=1e-6", f"trainer.total_iterations={args.iterations}",
+        f"rollout.hf_cache={args.hf_cache}",
+    ]
+    cfg = load_config(None, overrides)
+    run = Store(str(work / "store" / "bench"))
+    t0 = time.perf_counter()
+    prepare_run(run, cfg)
+    prepare_s = time.perf_counter() - t0
+
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": "Qwen2.5-0.5B shape, random init",
+               "params": None, "build_model_s": build_s, "prepare_s": prepare_s, "overrides": overrides, "iterations": []}
+    for iteration in range(1, args.iterations + 1):
+        stages = {}
+        it_start = time.perf_counter()
+        for stage in STAGES:
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            result = run_stage(stage, run.uri, iteration)
+            torch.cuda.synchronize()
+            stages[stage] = {"wall_s": round(time.perf_counter() - t0, 3),
+                             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                             "skipped": result.skipped or None}
+            stages[stage].update({k: round(v, 4) for k, v in result.metrics.items()
+                                  if k.startswith(("timing_s/", "response_length/mean", "perf/", "actor/grad_norm"))})
+        total = time.perf_counter() - it_start
+        gen = stages["rollout"]
+        results["iterations"].append({
+            "iteration": iteration, "total_s": round(total, 2), "stages": stages,
+            "rollout_tokens_per_s": round(gen["perf/response_tokens"] / gen["wall_s"], 1),
+        })
+        print(json.dumps(results["iterations"][-1]), flush=True)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    results["params"] = "494M (Qwen2.5-0.5B shape: " + json.dumps({k: getattr(config, k, v) for k, v in QWEN25_05B.items()}) + ")"
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
