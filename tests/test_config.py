@@ -75,3 +75,11 @@ def test_resume_keeps_stored_algorithm_takes_new_execution_settings():
     assert merged.trainer.total_iterations == 9
     assert ignored == ["actor.lr"]
     assert isinstance(merged, Config)
+
+
+def test_config_reference_documents_every_key():
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parents[1].joinpath("docs", "config.md").read_text()
+    missing = [key for key in valid_keys() if f"`{key}`" not in text]
+    assert not missing, f"docs/config.md lacks {missing}"

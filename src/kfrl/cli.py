@@ -49,11 +49,6 @@ def dry_run_report(cfg) -> tuple[str, list[str]]:
             for part in spec.split(","):
                 if "://" not in part and not Path(part.strip()).expanduser().is_file():
                     warnings.append(f"{key}: {part.strip()} does not exist")
-    if cfg.rollout.name == "vllm":
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            warnings.append("rollout.name=vllm but vllm is not installed (pip install 'kfrl[gpu]')")
     return "\n".join(lines), warnings
 
 

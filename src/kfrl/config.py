@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -47,7 +48,8 @@ class ModelConfig(Section):
 
 
 class RolloutConfig(Section):
-    name: Literal["hf", "vllm"] = "hf"
+    # Rollout backend. "hf": transformers generate (the only one so far; vLLM is planned).
+    name: Literal["hf"] = "hf"
     n: int = Field(4, ge=1, description="responses per prompt")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -129,7 +131,6 @@ class PipelineConfig(Section):
     fuse: Literal["none", "weights", "all"] = "none"
     host: str = ""
     pipeline_root: str = "./kfrl-runs/kfp"
-    image: str = "ghcr.io/kfrl/kfrl:latest"
     run_timeout_s: int = 3600
 
 
@@ -188,15 +189,18 @@ class Config(Section):
         return flatten(self.model_dump(mode="json"))
 
 
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def flatten(d: Mapping, prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Nested mapping -> flat ``{"a.b.c": value}``; lists and tuples become JSON strings."""
+    flat: dict[str, Any] = {}
     for key, value in d.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, name + "."))
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, name, sep))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = json.dumps(value, default=str)
         else:
-            out[name] = value
-    return out
+            flat[name] = value
+    return flat
 
 
 def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:

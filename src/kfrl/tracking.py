@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from kfrl.config import flatten  # noqa: F401  (re-exported: the flattened config is what params log)
+
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
@@ -61,20 +63,6 @@ HTTP_RETRY_DEFAULTS = {
 
 # URI schemes of registries reached through a server, which validates model version sources.
 _SERVER_SCHEMES = {"http", "https", "databricks", "databricks-uc", "uc"}
-
-
-def flatten(d: Mapping, prefix: str = "", sep: str = ".") -> dict[str, Any]:
-    """Nested mapping -> flat ``{"a.b.c": value}``; lists and tuples become JSON strings."""
-    flat: dict[str, Any] = {}
-    for key, value in d.items():
-        name = f"{prefix}{sep}{key}" if prefix else str(key)
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, name, sep))
-        elif isinstance(value, (list, tuple)):
-            flat[name] = json.dumps(value, default=str)
-        else:
-            flat[name] = value
-    return flat
 
 
 def resolve_tracking_uri(tracking_uri: str | None) -> str:
