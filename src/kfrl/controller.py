@@ -169,8 +169,11 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
             step_time = time.perf_counter() - started
             metrics = record_iteration(store, tracker, config, iteration, step_time, summary)
             console.print(iteration_line(iteration, total, metrics, stage_plan))
+    except KeyboardInterrupt:
+        tracker.finish("KILLED")
+        raise
     except BaseException:
-        tracker.finish("FAILED" if not isinstance(__import__("sys").exc_info()[1], KeyboardInterrupt) else "KILLED")
+        tracker.finish("FAILED")
         raise
     tracker.finish("FINISHED")
     return summary

@@ -72,7 +72,7 @@ def run_stage(stage: str, run_uri: str, iteration: int) -> StageResult:
     attempt = ctx.store.open_attempt(prefix)
     reason = skip_reason(stage, ctx.config)
     if reason:
-        manifest = attempt.commit(info={"skipped": reason})
+        attempt.commit(info={"skipped": reason})
         return StageResult(stage, ctx.store.url(prefix), {}, False, reason)
     started = time.perf_counter()
     metrics = _functions()[stage](ctx, attempt)

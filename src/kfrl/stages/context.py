@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -115,12 +116,14 @@ class StageContext:
             local = cache_root() / "models" / key
             if not (local / "config.json").exists():
                 tmp = local.with_name(local.name + f".tmp{os.getpid()}")
-                tmp.mkdir(parents=True, exist_ok=True)
                 for name in remote.list(""):
                     target = tmp / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(remote.read_bytes(name))
-                os.replace(tmp, local) if not local.exists() else None
+                try:
+                    os.replace(tmp, local)
+                except OSError:  # another process finished the same download first
+                    shutil.rmtree(tmp, ignore_errors=True)
             return local
         key = hashlib.sha1(self.store.url(manifest.prefix).encode()).hexdigest()[:16]
         return self.store.download(manifest, cache_root() / "checkpoints" / f"{key}-{manifest.attempt}")
