@@ -2,7 +2,6 @@
 import subprocess
 import sys
 
-import pytest
 from typer.testing import CliRunner
 
 from kfrl.cli import app

@@ -81,7 +81,7 @@ def test_cluster_runner_submits_compiled_pipeline_with_arguments():
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeKfp)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        cfg = load_config(None, [f"pipeline.runner=kfp", f"pipeline.host=http://127.0.0.1:{server.server_address[1]}"])
+        cfg = load_config(None, ["pipeline.runner=kfp", f"pipeline.host=http://127.0.0.1:{server.server_address[1]}"])
         runner = ClusterKfpRunner(cfg)
         runner.run("s3://bucket/runs/demo/r1", 3, Path("unused.log"))
         path, body = [p for p in FakeKfp.posted if p[0] == "/apis/v2beta1/runs"][-1]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+
+from kfrl.rewards.gsm8k import extract_solution
 import torch
 
 from kfrl.data.synthetic import (
@@ -25,7 +27,6 @@ from kfrl.models.tiny import (
     build_tiny_model,
     build_tokenizer,
     materialize_builtin,
-    strict_final_answer,
 )
 
 BUILTIN = "tiny-qwen2-arith"
@@ -64,7 +65,7 @@ def test_rows_have_verl_rl_dataset_schema():
         assert extra["question"] == row["prompt"][0]["content"]
         # The reference answer passes veRL's gsm8k strict rule against the ground truth.
         assert extra["answer"].endswith(f"#### {truth}")
-        assert strict_final_answer(extra["answer"]) == truth
+        assert extract_solution(extra["answer"], method="strict") == truth
 
 
 def test_ground_truth_is_the_sum():

@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+
 from urllib.parse import urlparse
 
 from kfrl.config import flatten  # noqa: F401  (re-exported: the flattened config is what params log)

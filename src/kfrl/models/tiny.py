@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -30,6 +29,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QW
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 from kfrl.data.synthetic import make_arith_rows
+from kfrl.rewards.gsm8k import extract_solution
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -313,12 +313,6 @@ def sft_warm_start(
 
 # veRL's gsm8k "strict" rule (verl-semantics.md §2), repeated here only to
 # measure the warm start; the reward used in training lives in kfrl.rewards.
-_STRICT_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
-
-
-def strict_final_answer(text: str) -> str | None:
-    matches = _STRICT_ANSWER.findall(text[-300:])
-    return matches[-1].replace(",", "").replace("$", "") if matches else None
 
 
 @torch.no_grad()
@@ -358,7 +352,7 @@ def answer_accuracy(
     with torch.random.fork_rng(devices=cuda_devices):
         torch.manual_seed(seed)
         responses = generate_responses(model, tokenizer, rows, do_sample=do_sample)
-    answers = [strict_final_answer(text) for text in responses]
+    answers = [extract_solution(text, method="strict") for text in responses]
     correct = [a == row["reward_model"]["ground_truth"] for a, row in zip(answers, rows)]
     return {
         "accuracy": sum(correct) / len(rows),
