@@ -454,15 +454,6 @@ class Store:
         uri = self.manifest_url(prefix)
         return self._retrying("check", uri, lambda: self.fs.exists(uri))
 
-    def require_manifest(self, prefix: str) -> Manifest:
-        """The manifest of ``prefix``, or a StoreNotFoundError saying which stage to run."""
-        found = self.manifest(prefix)
-        if found is None:
-            raise StoreNotFoundError(
-                f"{self.url(prefix)} has no committed output ({MANIFEST_NAME} missing); run the "
-                "stage that produces it first")
-        return found
-
     def file_url(self, manifest: Manifest, name: str) -> str:
         if manifest.file(name) is None:
             raise StoreNotFoundError(
@@ -664,12 +655,20 @@ def _make_filesystem(is_s3: bool):
     return fsspec.filesystem("file", auto_mkdir=True, skip_instance_cache=True)
 
 
-def _atomic_local_write(path: str, data: bytes) -> None:
+def _write_temp_beside(path: str, data: bytes) -> str:
+    """``data`` fully written (and synced) to a fresh temp file next to ``path``; returns its path."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return tmp
+
+
+def _atomic_local_write(path: str, data: bytes) -> None:
+    tmp = _write_temp_beside(path, data)
     try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -677,15 +676,10 @@ def _atomic_local_write(path: str, data: bytes) -> None:
 
 
 def _local_put_if_absent(path: str, data: bytes) -> bool:
-    # Write fully to a temp file first, then hard-link it into place: the link fails if the
-    # target exists, and readers never see a half-written manifest.
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    # Hard-link a complete temp file into place: the link fails if the target exists, and
+    # readers never see a half-written manifest.
+    tmp = _write_temp_beside(path, data)
     try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
         try:
             os.link(tmp, path)
         except FileExistsError:

@@ -61,13 +61,6 @@ def response_logits(model, batch: PaddedBatch) -> torch.Tensor:
     return model.get_output_embeddings()(picked)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    # veRL divides logits by the rollout temperature before log-softmax, so old/new/ref log-probs
-    # describe the distribution that was actually sampled.
-    logits = logits.float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 def forward_response(model, batch: PaddedBatch, temperature: float, with_entropy: bool,
                      autocast_dtype: torch.dtype | None = None):
     """(log_probs (B, L), entropy (B, L) or None); differentiable when grad is enabled."""

@@ -81,9 +81,4 @@ def run_stage(stage: str, run_uri: str, iteration: int) -> StageResult:
     return StageResult(stage, ctx.store.url(prefix), dict(manifest.metrics), False, "")
 
 
-def run_stages(stages, run_uri: str, iteration: int) -> list[StageResult]:
-    """Several stages in order in this process (a fused component); models are cached between them."""
-    return [run_stage(stage, run_uri, iteration) for stage in stages]
-
-
-__all__ = ["FUSED_GROUPS", "run_stages", "STAGES", "TIMING_NAMES", "StageResult", "StageInputError", "plan", "run_stage", "skip_reason"]
+__all__ = ["FUSED_GROUPS", "STAGES", "TIMING_NAMES", "StageResult", "StageInputError", "plan", "run_stage", "skip_reason"]

@@ -2,7 +2,6 @@
 are committed into the run's store, so every stage, local or on a cluster, reads them from there."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from kfrl.config import Config
@@ -12,18 +11,11 @@ from kfrl.store import Store
 BUILTIN_DATA = {"builtin:arith"}
 
 
-def _parquet_bytes(table) -> bytes:
-    import pyarrow.parquet as pq
-
-    sink = io.BytesIO()
-    pq.write_table(table, sink)
-    return sink.getvalue()
-
-
 def _read_dataset_source(spec: str, *, split: str, config: Config):
     """A table in veRL's RL-dataset schema from a builtin name, a local file or a store URI."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    from kfrl.batch import table_from_parquet_bytes
 
     if spec in BUILTIN_DATA:
         from kfrl.data.synthetic import make_arith_rows
@@ -42,7 +34,7 @@ def _read_dataset_source(spec: str, *, split: str, config: Config):
                 raise FileNotFoundError(f"data file not found: {path} (data.{split}_files); expected a Parquet "
                                         "file in veRL's RL-dataset schema, or builtin:arith")
             data = path.read_bytes()
-        tables.append(pq.read_table(io.BytesIO(data)))
+        tables.append(table_from_parquet_bytes(data, part))
     return pa.concat_tables(tables)
 
 
@@ -53,7 +45,7 @@ def prepare_data(store: Store, config: Config) -> None:
             continue
         table = _read_dataset_source(spec, split=split, config=config)
         attempt = store.open_attempt(prefix)
-        attempt.write_bytes("part-00000.parquet", _parquet_bytes(table))
+        attempt.write_parquet("part-00000.parquet", table)
         attempt.commit(info={"source": spec, "rows": table.num_rows})
 
 

@@ -10,12 +10,11 @@ from kfrl.stages.context import StageContext
 
 def read_dataset(store, manifest):
     """All Parquet files of a committed dataset, concatenated."""
-    import io
-
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    parts = [pq.read_table(io.BytesIO(store.read_file(manifest, name)))
+    from kfrl.batch import table_from_parquet_bytes
+
+    parts = [table_from_parquet_bytes(store.read_file(manifest, name), store.file_url(manifest, name))
              for name in manifest.names() if name.endswith(".parquet")]
     return pa.concat_tables(parts)
 
