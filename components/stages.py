@@ -16,6 +16,12 @@ def rollout_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
+def gen_max_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("gen_max", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def score_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("score", run_uri, iteration, metrics)
@@ -34,10 +40,22 @@ def ref_logprob_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Outp
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def advantage_op(run_uri: str, iteration: int, score_uri: str, old_logprob_uri: str, ref_logprob_uri: str,
-                 metrics: Output[Metrics]) -> str:
+def values_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("values", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def advantage_op(run_uri: str, iteration: int, score_uri: str, gen_max_uri: str, old_logprob_uri: str,
+                 ref_logprob_uri: str, values_uri: str, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("advantage", run_uri, iteration, metrics)
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def update_critic_op(run_uri: str, iteration: int, advantage_uri: str, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("update_critic", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)

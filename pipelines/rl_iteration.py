@@ -1,20 +1,26 @@
 """One RL iteration as a KFP pipeline.
 
-    rollout ─► score ─┬─► old_logprob ─┐
-                      └─► ref_logprob ─┴─► advantage ─► update_actor
+              ┌─► score ───────┐
+              ├─► gen_max ─────┤                 ┌─► update_critic
+    rollout ──┼─► old_logprob ─┼─► advantage ────┤
+              ├─► ref_logprob ─┤                 └─► update_actor
+              └─► values ──────┘
 
-old_logprob and ref_logprob are parallel branches.
+Everything that reads only the rollout (scoring, ReMax's greedy baseline, the old/reference
+log-probs, the critic's values) is a parallel branch; the critic and actor updates are too.
 
-``rl_iteration_fused`` runs the same stage functions as two tasks, ``infer`` (rollout, score,
-old/ref log-probs) then ``train`` (advantage, update_actor), and ``rl_iteration_single`` as one
-task, so weights and imports are loaded once per task (config ``pipeline.fuse``). A stage the algorithm does not need (no KL →
-no reference; the on-policy shortcut → no old-logprob pass) still appears as a task and records
-why it was skipped, so one compiled pipeline serves every config.
+``rl_iteration_fused`` runs the same stage functions as two tasks, ``infer`` (rollout to values)
+then ``train`` (advantage and both updates), and ``rl_iteration_single`` as one task, so weights
+and imports are loaded once per task (config ``pipeline.fuse``). A stage the algorithm does not
+need (no KL → no reference; no GAE → no critic; not ReMax → no greedy baseline; the on-policy
+shortcut → no old-logprob pass) still appears as a task and records why it was skipped, so one
+compiled pipeline serves every algorithm.
 """
 from kfp import dsl
 
 from kfrl.components.stages import (
     advantage_op,
+    gen_max_op,
     infer_op,
     iteration_op,
     old_logprob_op,
@@ -23,6 +29,8 @@ from kfrl.components.stages import (
     score_op,
     train_op,
     update_actor_op,
+    update_critic_op,
+    values_op,
 )
 
 PIPELINE_NAME = "kfrl-rl-iteration"
@@ -39,25 +47,29 @@ def _task(task, name: str):
     return task
 
 
-@dsl.pipeline(name=PIPELINE_NAME, description="One veRL-style RL iteration: rollout, score, "
-              "log-probs, advantage, actor update. Inputs and outputs live in the run's store.")
+@dsl.pipeline(name=PIPELINE_NAME, description="One veRL-style RL iteration: rollout, then score, "
+              "greedy baseline, old/ref log-probs and critic values in parallel, advantage, then the critic "
+              "and actor updates. Inputs and outputs live in the run's store.")
 def rl_iteration(run_uri: str, iteration: int) -> str:
     rollout = _task(rollout_op(run_uri=run_uri, iteration=iteration), "rollout")
-    score = _task(score_op(run_uri=run_uri, iteration=iteration, rollout_uri=rollout.outputs["Output"]), "score")
-    old = _task(old_logprob_op(run_uri=run_uri, iteration=iteration, rollout_uri=score.outputs["Output"]),
-                "old_logprob")
-    ref = _task(ref_logprob_op(run_uri=run_uri, iteration=iteration, rollout_uri=score.outputs["Output"]),
-                "ref_logprob")
-    adv = _task(advantage_op(run_uri=run_uri, iteration=iteration, score_uri=score.outputs["Output"],
-                             old_logprob_uri=old.outputs["Output"], ref_logprob_uri=ref.outputs["Output"]),
-                "advantage")
+    branches = {name: _task(op(run_uri=run_uri, iteration=iteration, rollout_uri=rollout.outputs["Output"]), name)
+                for name, op in (("score", score_op), ("gen_max", gen_max_op), ("old_logprob", old_logprob_op),
+                                 ("ref_logprob", ref_logprob_op), ("values", values_op))}
+    adv = _task(advantage_op(run_uri=run_uri, iteration=iteration, score_uri=branches["score"].outputs["Output"],
+                             gen_max_uri=branches["gen_max"].outputs["Output"],
+                             old_logprob_uri=branches["old_logprob"].outputs["Output"],
+                             ref_logprob_uri=branches["ref_logprob"].outputs["Output"],
+                             values_uri=branches["values"].outputs["Output"]), "advantage")
+    _task(update_critic_op(run_uri=run_uri, iteration=iteration, advantage_uri=adv.outputs["Output"]),
+          "update_critic")
     update = _task(update_actor_op(run_uri=run_uri, iteration=iteration, advantage_uri=adv.outputs["Output"]),
                    "update_actor")
     return update.outputs["Output"]
 
 
 @dsl.pipeline(name=FUSED_PIPELINE_NAME, description="One veRL-style RL iteration in two fused tasks: "
-              "infer (rollout, score, old/ref log-probs) and train (advantage, actor update).")
+              "infer (rollout, score, greedy baseline, old/ref log-probs, values) and train (advantage, "
+              "critic and actor updates).")
 def rl_iteration_fused(run_uri: str, iteration: int) -> str:
     infer = _task(infer_op(run_uri=run_uri, iteration=iteration), "infer")
     train = _task(train_op(run_uri=run_uri, iteration=iteration, infer_uri=infer.outputs["Output"]), "train")

@@ -33,11 +33,15 @@ def test_dag_shape_parallel_branches_and_retries():
     spec = yaml.safe_load(compiled_path().read_text())
     tasks = spec["root"]["dag"]["tasks"]
     deps = {name: set(task.get("dependentTasks", [])) for name, task in tasks.items()}
+    branches = {"score-op", "gen-max-op", "old-logprob-op", "ref-logprob-op", "values-op"}
     assert deps["rollout-op"] == set()
-    assert deps["score-op"] == {"rollout-op"}
-    assert deps["old-logprob-op"] == {"score-op"} and deps["ref-logprob-op"] == {"score-op"}
-    assert deps["advantage-op"] == {"score-op", "old-logprob-op", "ref-logprob-op"}
-    assert deps["update-actor-op"] == {"advantage-op"}
+    # Everything that only reads the rollout is a parallel branch, then one advantage join,
+    # then the two updates in parallel.
+    for branch in branches:
+        assert deps[branch] == {"rollout-op"}, branch
+    assert deps["advantage-op"] == branches
+    assert deps["update-actor-op"] == {"advantage-op"} and deps["update-critic-op"] == {"advantage-op"}
+    assert set(tasks) == branches | {"rollout-op", "advantage-op", "update-actor-op", "update-critic-op"}
     for task in tasks.values():
         assert task["retryPolicy"]["maxRetryCount"] == 2
     assert set(spec["root"]["inputDefinitions"]["parameters"]) == {"run_uri", "iteration"}

@@ -53,6 +53,7 @@ GROUPS: dict[str, pa.Schema] = {
     "old_logprob": _schema(("old_logprobs", _TOKEN_FLOATS), ("entropy", _TOKEN_FLOATS)),
     "ref_logprob": _schema(("ref_logprobs", _TOKEN_FLOATS)),
     "values": _schema(("values", _TOKEN_FLOATS)),
+    "gen_max": _schema(("reward_baselines", pa.float32())),
     "advantage": _schema(
         ("token_level_rewards", _TOKEN_FLOATS),
         ("advantages", _TOKEN_FLOATS),

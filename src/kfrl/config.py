@@ -30,6 +30,8 @@ class DataConfig(Section):
     train_files: str = "builtin:arith"
     val_files: Optional[str] = None
     train_batch_size: int = Field(8, ge=1, description="prompts per iteration")
+    # Prompts per generation batch with dynamic sampling (algorithm.filter_groups); null = train_batch_size.
+    gen_batch_size: Optional[int] = Field(None, ge=1)
     max_prompt_length: int = Field(64, ge=1)
     max_response_length: int = Field(16, ge=1)
     prompt_key: str = "prompt"
@@ -62,11 +64,37 @@ class RolloutConfig(Section):
     hf_cache: Literal["dynamic", "static"] = "dynamic"
 
 
+AdvEstimator = Literal["gae", "grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus",
+                       "reinforce_plus_plus_baseline", "remax"]
+
+
+class KLControlConfig(Section):
+    # "fixed": the coefficient stays kl_coef. "adaptive": Ziegler et al. (2019), steering the
+    # measured KL towards target_kl over `horizon` trajectories.
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    horizon: int = Field(10000, gt=0)
+    target_kl: float = Field(0.1, gt=0)
+
+
+class FilterGroupsConfig(Section):
+    # DAPO dynamic sampling: drop prompt groups whose `metric` has zero spread (all right or all
+    # wrong), generate more batches until train_batch_size groups are kept, then trim.
+    enable: bool = False
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
+    max_num_gen_batches: int = Field(0, ge=0, description="0 = no limit")
+
+
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["grpo"] = "grpo"
+    adv_estimator: AdvEstimator = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = 1.0
     lam: float = 1.0
+    # KL penalty subtracted from the token-level rewards (the reference policy's KL).
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    kl_ctrl: KLControlConfig = KLControlConfig()
+    filter_groups: FilterGroupsConfig = FilterGroupsConfig()
 
 
 class ActorConfig(Section):
@@ -82,6 +110,9 @@ class ActorConfig(Section):
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
     clip_ratio_c: float = Field(3.0, gt=1)
+    # Policy loss (veRL's actor.policy_loss.loss_mode): vanilla PPO-clip (with dual-clip and
+    # DAPO's clip-higher via clip_ratio_low/high), gspo, gpg or cispo.
+    loss_mode: Literal["vanilla", "gspo", "gpg", "cispo"] = "vanilla"
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -91,15 +122,50 @@ class ActorConfig(Section):
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
 
 
+class CriticConfig(Section):
+    # null: on exactly when algorithm.adv_estimator is "gae" (veRL's critic.enable: null).
+    enable: Optional[bool] = None
+    # An HF directory for the value model's body; "" = the actor's initial weights. The scalar
+    # value head is new (seeded by trainer.seed) unless the directory already has one.
+    model_path: str = ""
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    # null: follow the actor's value (veRL's critic inherits these).
+    ppo_mini_batch_size: Optional[int] = Field(None, ge=1, description="prompts per optimizer step")
+    ppo_micro_batch_size_per_gpu: int = Field(8, ge=1, description="trajectories per forward/backward")
+    forward_micro_batch_size_per_gpu: Optional[int] = Field(None, ge=1, description="values stage; null = ppo_micro_batch_size_per_gpu")
+    ppo_epochs: Optional[int] = Field(None, ge=1)
+    shuffle: Optional[bool] = None
+    cliprange_value: float = Field(0.5, gt=0)
+    loss_agg_mode: Optional[Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]] = None
+
+
+class OverlongBufferConfig(Section):
+    # DAPO overlong reward shaping: a linear penalty from 0 to -penalty_factor over the last
+    # `len` tokens before data.max_response_length.
+    enable: bool = False
+    len: int = Field(4, ge=1)
+    penalty_factor: float = Field(1.0, ge=0)
+    # Record overlong_reward / overlong per sample (reward_extra) and their means as metrics.
+    log: bool = False
+
+
 class RewardConfig(Section):
     # "rule": score with the registry keyed by each row's data_source (kfrl.rewards).
     name: Literal["rule"] = "rule"
+    overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
 
 
 class TrainerConfig(Section):
     project_name: str = "kfrl"
     experiment_name: str = "demo"
     total_iterations: int = Field(4, ge=1)
+    # The actor is updated from iteration critic_warmup on (veRL: critic_warmup <= global_steps),
+    # so the critic trains alone for critic_warmup - 1 iterations.
+    critic_warmup: int = Field(0, ge=0)
     save_freq: int = Field(-1, description="register a checkpoint every k iterations (and at the end); -1 = only at the end")
     seed: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -140,6 +206,7 @@ class Config(Section):
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     actor: ActorConfig = ActorConfig()
+    critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     store: StoreConfig = StoreConfig()
@@ -147,12 +214,24 @@ class Config(Section):
     pipeline: PipelineConfig = PipelineConfig()
 
     @model_validator(mode="after")
-    def _check_batch_sizes(self) -> "Config":
-        if self.data.train_batch_size % self.actor.ppo_mini_batch_size != 0:
-            raise ValueError(
-                f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
-                f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size})"
-            )
+    def _check_consistency(self) -> "Config":
+        for section, mini in (("actor", self.actor.ppo_mini_batch_size), ("critic", self.critic_mini_batch_size)):
+            if self.data.train_batch_size % mini != 0:
+                raise ValueError(
+                    f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
+                    f"{section}.ppo_mini_batch_size ({mini})"
+                )
+        algo = self.algorithm
+        if algo.adv_estimator == "gae" and self.critic.enable is False:
+            raise ValueError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true (or null)")
+        if algo.adv_estimator == "grpo_passk" and self.rollout.n < 2:
+            raise ValueError("algorithm.adv_estimator=grpo_passk needs rollout.n >= 2 (it compares a group's best two)")
+        if algo.filter_groups.enable and algo.filter_groups.metric == "seq_final_reward" and algo.use_kl_in_reward:
+            raise ValueError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
+                             "groups are filtered at rollout, before the reference KL exists; use seq_reward")
+        if self.reward.overlong_buffer.enable and self.reward.overlong_buffer.len > self.data.max_response_length:
+            raise ValueError(f"reward.overlong_buffer.len ({self.reward.overlong_buffer.len}) exceeds "
+                             f"data.max_response_length ({self.data.max_response_length})")
         return self
 
     # --- derived quantities (one place, so stages agree) -------------------------------------
@@ -166,13 +245,39 @@ class Config(Section):
 
     @property
     def use_ref(self) -> bool:
-        return self.actor.use_kl_loss
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def use_critic(self) -> bool:
+        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
 
     @property
     def recompute_old_logprobs(self) -> bool:
         # veRL's on-policy shortcut: one mini-batch and one epoch make old == new, so the
-        # update uses log_prob.detach() and the separate old-logprob pass is not needed.
-        return not (self.n_mini_batches == 1 and self.actor.ppo_epochs == 1)
+        # update uses log_prob.detach() and the separate old-logprob pass is not needed, unless
+        # the KL in the reward needs the old log-probs before the update.
+        on_policy = self.n_mini_batches == 1 and self.actor.ppo_epochs == 1
+        return not on_policy or self.algorithm.use_kl_in_reward
+
+    @property
+    def gen_batch_size(self) -> int:
+        return self.data.gen_batch_size or self.data.train_batch_size
+
+    @property
+    def critic_mini_batch_size(self) -> int:
+        return self.critic.ppo_mini_batch_size or self.actor.ppo_mini_batch_size
+
+    @property
+    def critic_ppo_epochs(self) -> int:
+        return self.critic.ppo_epochs or self.actor.ppo_epochs
+
+    @property
+    def critic_shuffle(self) -> bool:
+        return self.actor.shuffle if self.critic.shuffle is None else self.critic.shuffle
+
+    @property
+    def critic_loss_agg_mode(self) -> str:
+        return self.critic.loss_agg_mode or self.actor.loss_agg_mode
 
     @property
     def registered_model_name(self) -> str:
@@ -221,7 +326,9 @@ def nearest_key(key: str, candidates: list[str] | None = None) -> str | None:
     if match:
         return match[0]
     leaf = key.rsplit(".", 1)[-1]
-    by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+    by_leaf: dict[str, str] = {}
+    for candidate in candidates:  # the first section that has the leaf wins (actor.lr before critic.lr)
+        by_leaf.setdefault(candidate.rsplit(".", 1)[-1], candidate)
     match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
     return by_leaf[match[0]] if match else None
 

@@ -22,7 +22,8 @@ from kfrl.store import Store
 # from the current invocation, everything else from the stored config.
 EXECUTION_SECTIONS = ("store", "tracking", "pipeline")
 # Later entries win when stages report the same metric (veRL reports actor/entropy from old_log_prob).
-METRIC_ORDER = ("rollout", "score", "ref_logprob", "advantage", "update_actor", "old_logprob")
+METRIC_ORDER = ("rollout", "gen_max", "score", "ref_logprob", "values", "advantage", "update_critic", "update_actor",
+                "old_logprob")
 
 
 def new_run_id() -> str:
@@ -192,7 +193,9 @@ def record_iteration(store: Store, tracker, config: Config, iteration: int, step
     if rows:
         tracker.log_table(rows, f"generations/iter-{iteration:06d}.json")
     save = config.trainer.save_freq
-    if iteration == config.trainer.total_iterations or (save > 0 and iteration % save == 0):
+    due = iteration == config.trainer.total_iterations or (save > 0 and iteration % save == 0)
+    actor_update = store.manifest(stage_prefix(iteration, "update_actor"))
+    if due and actor_update is not None and not actor_update.info.get("skipped"):  # none during critic warm-up
         checkpoint_uri = store.url(stage_prefix(iteration, "update_actor"))
         summary.registered_versions[iteration] = tracker.register_checkpoint(
             config.registered_model_name, checkpoint_uri, iteration)
@@ -204,7 +207,8 @@ def record_iteration(store: Store, tracker, config: Config, iteration: int, step
 def iteration_line(iteration: int, total: int, metrics: dict[str, float], stage_plan: dict[str, str]) -> str:
     timings = " ".join(f"{TIMING_NAMES[s]} {metrics.get('timing_s/' + TIMING_NAMES[s], 0):.1f}s"
                        for s in STAGES if not stage_plan[s])
+    # No pg_loss while the critic warms up: the actor was not updated.
+    actor = f"pg_loss {metrics['actor/pg_loss']:+.4f}" if "actor/pg_loss" in metrics else "actor held"
     return (f"iter {iteration:>3}/{total}  score {metrics.get('critic/score/mean', float('nan')):.3f}  "
-            f"resp_len {metrics.get('response_length/mean', float('nan')):.1f}  "
-            f"pg_loss {metrics.get('actor/pg_loss', float('nan')):+.4f}  "
+            f"resp_len {metrics.get('response_length/mean', float('nan')):.1f}  {actor}  "
             f"step {metrics['timing_s/step']:.1f}s  ({timings})")

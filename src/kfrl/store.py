@@ -539,6 +539,8 @@ class Attempt:
         self.url = store.url(f"{prefix}/{attempt}")
         self._files: dict[str, dict] = {}
         self._manifest: Manifest | None = None
+        # Facts the writer wants in the manifest (merged with commit's ``info``), e.g. a data cursor.
+        self.info: dict = {}
 
     def __repr__(self) -> str:
         return f"Attempt({self.url!r})"
@@ -596,7 +598,7 @@ class Attempt:
             attempt=self.attempt,
             files=sorted(self._files.values(), key=lambda f: f["name"]),
             metrics=_check_metrics(metrics, uri),
-            info=_check_info(info, uri),
+            info=_check_info({**self.info, **(info or {})}, uri),
             created_at=_now_iso(),
         )
         body = mine.to_json().encode("utf-8")

@@ -38,3 +38,22 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     # so that older transformers releases, as used by some inference images, find it too.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     return out_dir
+
+
+def load_value_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
+                     head_seed: int = 0) -> PreTrainedModel:
+    """A value model (the LM body + a scalar token-classification head, as veRL's critic).
+
+    From a causal-LM directory the head is new: it is initialised under ``head_seed`` so every
+    stage that builds it from the same directory gets the same head. Dropout on the head is off
+    (veRL sets classifier_dropout=0 too), so training values are deterministic.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    path = _require_hf_dir(path)
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(head_seed)
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype or "auto")
+    return model.to(device)

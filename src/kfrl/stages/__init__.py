@@ -14,16 +14,18 @@ from typing import Callable
 
 from kfrl.stages.context import StageContext, StageInputError, stage_prefix
 
-# Execution order within one iteration (a valid topological order of the DAG).
-STAGES = ("rollout", "score", "old_logprob", "ref_logprob", "advantage", "update_actor")
+# Execution order within one iteration (a valid topological order of the DAG; veRL's step order).
+INFER_STAGES = ("rollout", "gen_max", "score", "old_logprob", "ref_logprob", "values")
+TRAIN_STAGES = ("advantage", "update_critic", "update_actor")
+STAGES = INFER_STAGES + TRAIN_STAGES
 
 # Fused components: stages that share a process, so weights and imports are loaded once.
-FUSED_GROUPS = {"infer": ("rollout", "score", "old_logprob", "ref_logprob"), "train": ("advantage", "update_actor"),
-                "iteration": ("rollout", "score", "old_logprob", "ref_logprob", "advantage", "update_actor")}
+FUSED_GROUPS = {"infer": INFER_STAGES, "train": TRAIN_STAGES, "iteration": STAGES}
 
 # veRL's timing_s/<name> for each stage, so kfrl runs compare with veRL runs.
-TIMING_NAMES = {"rollout": "gen", "score": "reward", "old_logprob": "old_log_prob", "ref_logprob": "ref",
-                "advantage": "adv", "update_actor": "update_actor"}
+TIMING_NAMES = {"rollout": "gen", "gen_max": "gen_max", "score": "reward", "old_logprob": "old_log_prob",
+                "ref_logprob": "ref", "values": "values", "advantage": "adv", "update_critic": "update_critic",
+                "update_actor": "update_actor"}
 
 
 @dataclass
@@ -37,26 +39,35 @@ class StageResult:
 
 def _functions() -> dict[str, Callable]:
     from kfrl.stages.advantage import advantage
-    from kfrl.stages.logprob import old_logprob, ref_logprob
-    from kfrl.stages.rollout import rollout
+    from kfrl.stages.logprob import old_logprob, ref_logprob, values
+    from kfrl.stages.rollout import gen_max, rollout
     from kfrl.stages.score import score
-    from kfrl.stages.update import update_actor
+    from kfrl.stages.update import update_actor, update_critic
 
-    return {"rollout": rollout, "score": score, "old_logprob": old_logprob, "ref_logprob": ref_logprob,
-            "advantage": advantage, "update_actor": update_actor}
+    return {"rollout": rollout, "gen_max": gen_max, "score": score, "old_logprob": old_logprob,
+            "ref_logprob": ref_logprob, "values": values, "advantage": advantage, "update_critic": update_critic,
+            "update_actor": update_actor}
 
 
-def skip_reason(stage: str, config) -> str:
-    """Why ``stage`` is not needed under ``config`` ("" when it is)."""
+def skip_reason(stage: str, config, iteration: int | None = None) -> str:
+    """Why ``stage`` is not needed under ``config`` ("" when it is); ``iteration`` matters only for
+    the actor's critic warm-up (None = a steady-state iteration)."""
     if stage == "ref_logprob" and not config.use_ref:
-        return "no KL term uses a reference policy (actor.use_kl_loss=false)"
+        return "no KL term uses a reference policy (actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)"
     if stage == "old_logprob" and not config.recompute_old_logprobs:
         return "on-policy: one mini-batch and one epoch make old log-probs equal to the update's own"
+    if stage in ("values", "update_critic") and not config.use_critic:
+        return f"no critic: algorithm.adv_estimator={config.algorithm.adv_estimator} does not use values"
+    if stage == "gen_max" and config.algorithm.adv_estimator != "remax":
+        return "greedy baselines are only for algorithm.adv_estimator=remax"
+    warmup = config.trainer.critic_warmup
+    if stage == "update_actor" and iteration is not None and iteration < warmup:
+        return f"critic warm-up: the actor is updated from iteration {warmup} (trainer.critic_warmup)"
     return ""
 
 
 def plan(config) -> dict[str, str]:
-    """Stage → "" (runs) or the reason it is skipped."""
+    """Stage → "" (runs) or the reason it is skipped, in a steady-state iteration."""
     return {stage: skip_reason(stage, config) for stage in STAGES}
 
 
@@ -70,7 +81,7 @@ def run_stage(stage: str, run_uri: str, iteration: int) -> StageResult:
         return StageResult(stage, ctx.store.url(prefix), dict(existing.metrics), True,
                            existing.info.get("skipped", ""))
     attempt = ctx.store.open_attempt(prefix)
-    reason = skip_reason(stage, ctx.config)
+    reason = skip_reason(stage, ctx.config, iteration)
     if reason:
         attempt.commit(info={"skipped": reason})
         return StageResult(stage, ctx.store.url(prefix), {}, False, reason)

@@ -14,6 +14,7 @@ from kfrl.store import Manifest, Store
 
 CONFIG_FILE = "config.yaml"
 POLICY_STAGE = "update_actor"
+CRITIC_STAGE = "update_critic"
 INIT_ITERATION = 0
 
 
@@ -39,10 +40,10 @@ def cache_root() -> Path:
 
 # Inference models and tokenizers loaded in this process, keyed by local checkpoint dir and dtype:
 # fused stages (and the inline runner) load each set of weights once. Two entries cover the
-# policy and the reference model; training copies are never cached (the update mutates them).
+# policy, the reference model and the critic; training copies are never cached (updates mutate them).
 _MODEL_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _TOKENIZER_CACHE: dict[str, object] = {}
-MODEL_CACHE_SIZE = 2
+MODEL_CACHE_SIZE = 3
 
 
 @dataclass
@@ -100,12 +101,29 @@ class StageContext:
 
         return compute_dtype(self.config.model.dtype, self.device)
 
+    def checkpoint_manifest(self, stage: str, weights_iteration: int) -> Manifest:
+        """The checkpoint ``stage`` committed at ``weights_iteration``, or at the last iteration before it
+        where the update ran (an update skipped during critic warm-up leaves the weights as they were)."""
+        for it in range(weights_iteration, INIT_ITERATION - 1, -1):
+            manifest = self.manifest(stage, it)
+            if not manifest.info.get("skipped"):
+                return manifest
+        raise StageInputError(f"no committed {stage} checkpoint at or before iteration {weights_iteration} "
+                              f"in {self.run_uri}")
+
     def policy_manifest(self, weights_iteration: int) -> Manifest:
-        """Weights after ``weights_iteration`` updates (0 = the initial model)."""
-        return self.manifest(POLICY_STAGE, weights_iteration)
+        """Weights after ``weights_iteration`` iterations (0 = the initial model)."""
+        return self.checkpoint_manifest(POLICY_STAGE, weights_iteration)
+
+    def critic_manifest(self, weights_iteration: int) -> Manifest:
+        """The critic after ``weights_iteration`` iterations (0 = its initialisation)."""
+        return self.checkpoint_manifest(CRITIC_STAGE, weights_iteration)
 
     def checkpoint_dir(self, manifest: Manifest) -> Path:
         """A local copy of a committed checkpoint, downloaded once per machine and attempt."""
+        if manifest.info.get("init_from") == "policy":
+            # A critic initialised from the actor's initial weights (the value head is added on load).
+            return self.checkpoint_dir(self.policy_manifest(INIT_ITERATION))
         source = manifest.info.get("source")
         if source and not manifest.files:
             # The initial model was referenced in place (an HF directory in a store), not copied.
@@ -147,12 +165,31 @@ class StageContext:
         local = self.checkpoint_dir(manifest)
         if for_training:
             return load_causal_lm(local, dtype=torch.float32, device=self.device)
-        key = (str(local), str(self.compute_dtype), self.device)
-        if key in _MODEL_CACHE:
-            _MODEL_CACHE.move_to_end(key)
-            return _MODEL_CACHE[key]
-        model = load_causal_lm(local, dtype=self.compute_dtype, device=self.device).eval()
-        _MODEL_CACHE[key] = model
-        while len(_MODEL_CACHE) > MODEL_CACHE_SIZE:
-            _MODEL_CACHE.popitem(last=False)
-        return model
+        return _cached(("policy", str(local), str(self.compute_dtype), self.device),
+                       lambda: load_causal_lm(local, dtype=self.compute_dtype, device=self.device).eval())
+
+    def load_critic(self, manifest: Manifest, *, for_training: bool = False):
+        """The value model (see ``load_causal_lm`` for dtypes); a new value head is seeded by trainer.seed."""
+        import torch
+
+        from kfrl.models.hf_io import load_value_model
+
+        quiet_transformers()
+        local = self.checkpoint_dir(manifest)
+        seed = self.config.trainer.seed
+        if for_training:
+            return load_value_model(local, dtype=torch.float32, device=self.device, head_seed=seed)
+        return _cached(("critic", str(local), str(self.compute_dtype), self.device),
+                       lambda: load_value_model(local, dtype=self.compute_dtype, device=self.device,
+                                                head_seed=seed).eval())
+
+
+def _cached(key: tuple, load):
+    if key in _MODEL_CACHE:
+        _MODEL_CACHE.move_to_end(key)
+        return _MODEL_CACHE[key]
+    model = load()
+    _MODEL_CACHE[key] = model
+    while len(_MODEL_CACHE) > MODEL_CACHE_SIZE:
+        _MODEL_CACHE.popitem(last=False)
+    return model

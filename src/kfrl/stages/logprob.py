@@ -1,4 +1,5 @@
-"""Stages ``old_logprob`` (the rollout policy's log-probs and entropy) and ``ref_logprob`` (the initial model's)."""
+"""The inference stages over a rollout: ``old_logprob`` (the rollout policy's log-probs and entropy),
+``ref_logprob`` (the initial model's log-probs) and ``values`` (the critic's)."""
 from __future__ import annotations
 
 from kfrl.stages.context import INIT_ITERATION, StageContext
@@ -40,4 +41,23 @@ def ref_logprob(ctx: StageContext, attempt) -> dict[str, float]:
     table, logprobs, _ = _logprobs(ctx, INIT_ITERATION, with_entropy=False)
     batch.write_group(attempt, "ref_logprob", batch.make_table("ref_logprob", {
         "sample_id": table.column("sample_id").to_pylist(), "ref_logprobs": logprobs}))
+    return {}
+
+
+def values(ctx: StageContext, attempt) -> dict[str, float]:
+    """Stage ``values``: the critic's value of every response token (0 at masked positions)."""
+    from kfrl import batch
+    from kfrl.engines.critic import compute_values
+
+    cfg = ctx.config
+    table = ctx.read_groups("rollout")
+    tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
+    model = ctx.load_critic(ctx.critic_manifest(ctx.iteration - 1))
+    result = compute_values(
+        model, table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(),
+        table.column("response_mask").to_pylist(), pad_id=tokenizer.pad_token_id or 0,
+        micro_batch_size=cfg.critic.forward_micro_batch_size_per_gpu or cfg.critic.ppo_micro_batch_size_per_gpu,
+        autocast_dtype=ctx.compute_dtype)
+    batch.write_group(attempt, "values", batch.make_table("values", {
+        "sample_id": table.column("sample_id").to_pylist(), "values": result}))
     return {}

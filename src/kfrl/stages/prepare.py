@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kfrl.config import Config
-from kfrl.stages.context import CONFIG_FILE, INIT_ITERATION, POLICY_STAGE, stage_prefix
+from kfrl.stages.context import CONFIG_FILE, CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, stage_prefix
 from kfrl.store import Store
 
 BUILTIN_DATA = {"builtin:arith"}
@@ -49,14 +49,9 @@ def prepare_data(store: Store, config: Config) -> None:
         attempt.commit(info={"source": spec, "rows": table.num_rows})
 
 
-def prepare_policy(store: Store, config: Config) -> None:
-    """Commit the initial weights as iteration 0's policy (builtin: built here; local dir: uploaded;
-    a store URI: referenced in place)."""
-    prefix = stage_prefix(INIT_ITERATION, POLICY_STAGE)
-    if store.is_committed(prefix):
-        return
-    path = config.model.path
-    attempt = store.open_attempt(prefix)
+def _commit_weights(attempt, path: str, key: str) -> None:
+    """Commit weights from a builtin name (built here), a store URI (referenced in place) or a
+    local HF directory (uploaded); ``key`` names the config key in errors."""
     if path.startswith("builtin:"):
         from kfrl.models.tiny import materialize_builtin
 
@@ -67,9 +62,33 @@ def prepare_policy(store: Store, config: Config) -> None:
     else:
         local = Path(path.removeprefix("file://")).expanduser()
         if not (local / "config.json").is_file():
-            raise FileNotFoundError(f"model.path {local} is not an HF model directory (no config.json there)")
+            raise FileNotFoundError(f"{key} {local} is not an HF model directory (no config.json there)")
         attempt.upload_dir(local)
         attempt.commit(info={"source": str(local.resolve())})
+
+
+def prepare_policy(store: Store, config: Config) -> None:
+    """Commit the initial weights as iteration 0's policy."""
+    prefix = stage_prefix(INIT_ITERATION, POLICY_STAGE)
+    if not store.is_committed(prefix):
+        _commit_weights(store.open_attempt(prefix), config.model.path, "model.path")
+
+
+def prepare_critic(store: Store, config: Config) -> None:
+    """Commit the critic's initialisation as iteration 0's ``update_critic``: a reference, not a copy.
+
+    Default: the actor's initial weights (``init_from: policy``: nothing is copied and no model code
+    runs here); otherwise ``critic.model_path``, handled like ``model.path``. A missing value head is
+    added (seeded by trainer.seed) when a stage loads the critic.
+    """
+    prefix = stage_prefix(INIT_ITERATION, CRITIC_STAGE)
+    if not config.use_critic or store.is_committed(prefix):
+        return
+    attempt = store.open_attempt(prefix)
+    if config.critic.model_path:
+        _commit_weights(attempt, config.critic.model_path, "critic.model_path")
+    else:
+        attempt.commit(info={"init_from": "policy"})
 
 
 def prepare_run(store: Store, config: Config) -> None:
@@ -77,3 +96,4 @@ def prepare_run(store: Store, config: Config) -> None:
         store.write_text(CONFIG_FILE, config.to_yaml())
     prepare_data(store, config)
     prepare_policy(store, config)
+    prepare_critic(store, config)
