@@ -15,7 +15,8 @@ Measures, per iteration: ``critic/score/mean`` (mean reward of the iteration's s
 that iteration's update), ``critic/acc/mean`` and ``timing_s/step``; per run: the wall time.
 Writes ``<out>/curves.json`` and ``<out>/curves.png`` (score vs iteration, one line per algorithm)
 and prints a JSON summary to stdout; progress goes to stderr. The runs' stores and MLflow
-databases go to ``--work-dir`` (a new temporary directory by default), never under ``--out``.
+databases go to ``--work-dir`` if given (kept), else to a temporary directory deleted at the end;
+never under ``--out``.
 Needs matplotlib: ``pip install -e .[bench]``.
 """
 from __future__ import annotations
@@ -86,13 +87,17 @@ def curve_rows(iterations: dict[int, dict[str, float]]) -> list[dict[str, float]
     return rows
 
 
-def summarize_scores(scores: list[float], wall_s: float) -> dict[str, float]:
+def summarize_run(rows: list[dict[str, float]], wall_s: float) -> dict[str, float]:
+    """Score at the start and end of the curve, and time: the run's wall clock (including preparing
+    the run and MLflow) and the median iteration (robust to other processes sharing the CPU)."""
+    scores = scores_of(rows)
     return {
         "first": round(scores[0], 4),
         f"mean_first_{HEAD_TAIL}": round(statistics.fmean(scores[:HEAD_TAIL]), 4),
         f"mean_last_{HEAD_TAIL}": round(statistics.fmean(scores[-HEAD_TAIL:]), 4),
         "last": round(scores[-1], 4),
         "wall_s": round(wall_s, 1),
+        "median_step_s": round(statistics.median(row["timing_s/step"] for row in rows), 2),
     }
 
 
@@ -113,7 +118,7 @@ def run_algorithm(algo: str, algo_overrides: list[str], seeds: list[int], iterat
         log(f"[{algo} seed {seed}] training {iterations} iterations: {' '.join(algo_overrides + extra) or '(demo)'}")
         metrics, wall_s = train_once(overrides)
         rows = curve_rows(metrics)
-        summary = summarize_scores(scores_of(rows), wall_s)
+        summary = summarize_run(rows, wall_s)
         log(f"[{algo} seed {seed}] done in {wall_s:.0f}s: {json.dumps(summary)}")
         runs.append({"seed": seed, "overrides": overrides, "iterations": rows, "summary": summary})
     return {"overrides": algo_overrides + extra, "runs": runs,
@@ -189,12 +194,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--critic-lr", type=float, default=1e-3, help="PPO's critic.lr")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "algo_curves")
     parser.add_argument("--work-dir", type=Path, default=None,
-                        help="where the runs' stores and MLflow databases go (default: a new temp dir)")
+                        help="keep the runs' stores and MLflow databases here (default: a temp dir, "
+                             "deleted at the end; ~300 MB per 20-iteration run)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="extra overrides for every run")
     args = parser.parse_args()
     args.algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     return args
+
+
+def run_all(args: argparse.Namespace, known: dict[str, list[str]], work: Path) -> dict[str, dict]:
+    log(f"runs' stores and MLflow under {work}")
+    return {algo: run_algorithm(algo, known[algo], args.seeds, args.iterations, work, args.overrides)
+            for algo in args.algos}
 
 
 def main() -> None:
@@ -204,13 +216,14 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     require_matplotlib()  # fail before training, not after
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="kfrl-algo-curves-"))
     args.out.mkdir(parents=True, exist_ok=True)
-    log(f"runs' stores and MLflow under {work}")
 
     started = time.perf_counter()
-    results = {algo: run_algorithm(algo, known[algo], args.seeds, args.iterations, work, args.overrides)
-               for algo in args.algos}
+    if args.work_dir:
+        results = run_all(args, known, args.work_dir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kfrl-algo-curves-") as tmp:
+            results = run_all(args, known, Path(tmp))
     report = {
         "config": str(DEMO_CONFIG.relative_to(REPO)),
         "iterations": args.iterations,

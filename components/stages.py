@@ -64,6 +64,12 @@ def update_actor_op(run_uri: str, iteration: int, advantage_uri: str, metrics: O
     return run_for_kfp("update_actor", run_uri, iteration, metrics)
 
 
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def validate_op(run_uri: str, iteration: int, policy_uri: str, metrics: Output[Metrics]) -> str:
+    from kfrl.stages.kfp_entry import run_for_kfp
+    return run_for_kfp("validate", run_uri, iteration, metrics)
+
+
 # Fused components (pipeline.fuse): the same stage functions, fewer processes per iteration.
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def infer_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:

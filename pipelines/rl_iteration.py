@@ -3,7 +3,7 @@
               ┌─► score ───────┐
               ├─► gen_max ─────┤                 ┌─► update_critic
     rollout ──┼─► old_logprob ─┼─► advantage ────┤
-              ├─► ref_logprob ─┤                 └─► update_actor
+              ├─► ref_logprob ─┤                 └─► update_actor ─► validate
               └─► values ──────┘
 
 Everything that reads only the rollout (scoring, ReMax's greedy baseline, the old/reference
@@ -13,8 +13,9 @@ log-probs, the critic's values) is a parallel branch; the critic and actor updat
 then ``train`` (advantage and both updates), and ``rl_iteration_single`` as one task, so weights
 and imports are loaded once per task (config ``pipeline.fuse``). A stage the algorithm does not
 need (no KL → no reference; no GAE → no critic; not ReMax → no greedy baseline; the on-policy
-shortcut → no old-logprob pass) still appears as a task and records why it was skipped, so one
-compiled pipeline serves every algorithm.
+shortcut → no old-logprob pass; validation only every trainer.test_freq iterations) still appears
+as a task and records why it was skipped, so one compiled pipeline serves every algorithm.
+``rl_validate`` validates one policy on its own (the initial one, for trainer.val_before_train).
 """
 from kfp import dsl
 
@@ -30,12 +31,14 @@ from kfrl.components.stages import (
     train_op,
     update_actor_op,
     update_critic_op,
+    validate_op,
     values_op,
 )
 
 PIPELINE_NAME = "kfrl-rl-iteration"
 FUSED_PIPELINE_NAME = "kfrl-rl-iteration-fused"
 SINGLE_PIPELINE_NAME = "kfrl-rl-iteration-single"
+VALIDATE_PIPELINE_NAME = "kfrl-validate"
 RETRIES = 2
 
 
@@ -64,6 +67,7 @@ def rl_iteration(run_uri: str, iteration: int) -> str:
           "update_critic")
     update = _task(update_actor_op(run_uri=run_uri, iteration=iteration, advantage_uri=adv.outputs["Output"]),
                    "update_actor")
+    _task(validate_op(run_uri=run_uri, iteration=iteration, policy_uri=update.outputs["Output"]), "validate")
     return update.outputs["Output"]
 
 
@@ -82,10 +86,17 @@ def rl_iteration_single(run_uri: str, iteration: int) -> str:
     return _task(iteration_op(run_uri=run_uri, iteration=iteration), "iteration").outputs["Output"]
 
 
+@dsl.pipeline(name=VALIDATE_PIPELINE_NAME, description="Validate the policy after an iteration (0 = the "
+              "initial policy) on the run's validation data; metrics val-core/<data_source>/...")
+def rl_validate(run_uri: str, iteration: int) -> str:
+    return _task(validate_op(run_uri=run_uri, iteration=iteration, policy_uri=""), "validate").outputs["Output"]
+
+
 PIPELINES = {"rl_iteration": rl_iteration, "rl_iteration_fused": rl_iteration_fused,
-             "rl_iteration_single": rl_iteration_single}
+             "rl_iteration_single": rl_iteration_single, "rl_validate": rl_validate}
 FUSE_TO_PIPELINE = {"none": "rl_iteration", "weights": "rl_iteration_fused", "all": "rl_iteration_single"}
 
 
-def pipeline_for(fuse: str) -> str:
-    return FUSE_TO_PIPELINE[fuse]
+def pipeline_for(fuse: str, pipeline: str = "iteration") -> str:
+    """The compiled pipeline that runs ``pipeline`` ("iteration" or "validate") under ``pipeline.fuse``."""
+    return "rl_validate" if pipeline == "validate" else FUSE_TO_PIPELINE[fuse]

@@ -36,6 +36,7 @@ def rollout_columns(ids=("s0", "s1", "s2"), lengths=(3, 1, 2)) -> dict:
         "finish_reason": ["stop"] * len(ids),
         "ground_truth": ["42"] * len(ids),
         "extra_info": ["{}"] * len(ids),
+        "raw_prompt": ["[]"] * len(ids),
     }
 
 

@@ -1,4 +1,4 @@
-"""kfrl.rewards: veRL's GSM8K rules (including its observed outputs) and the data_source registry."""
+"""kfrl.rewards: veRL's GSM8K and MATH rules (including their observed outputs) and the data_source registry."""
 from __future__ import annotations
 
 import textwrap
@@ -10,6 +10,8 @@ from kfrl.rewards import UnknownDataSourceError, compute_score, get_scorer, load
 from kfrl.rewards import registry as registry_module
 from kfrl.rewards.gsm8k import SOLUTION_CLIP_CHARS, extract_solution
 from kfrl.rewards.gsm8k import compute_score as gsm8k_score
+from kfrl.rewards.math import MathNormalizationError, is_equiv, last_boxed_only_string, remove_boxed, strip_string
+from kfrl.rewards.math import compute_score as math_score
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +96,179 @@ def test_unknown_method():
         extract_solution("#### 1", method="loose")
 
 
+def test_dollar_after_the_number_and_trailing_dot():
+    # "$" after the digits is outside the match: both rules read 72.
+    assert extract_solution("#### 72$") == "72"
+    assert gsm8k_score("#### 72$", "72") == 1.0
+    assert gsm8k_score("#### 72$", "72", method="flexible") == 1.0
+    assert gsm8k_score("#### $1,234", "1234") == 0  # strict: nothing after "#### " starts with a digit
+    # The strict match runs over dots too: a sentence-ending "." stays on the answer.
+    assert extract_solution("#### 72.") == "72."
+    assert gsm8k_score("The answer is #### 72.", "72") == 0.0
+    assert gsm8k_score("The answer is #### 72.", "72", method="flexible") == 0.0
+
+
+def test_flexible_commas_negatives_decimals():
+    assert gsm8k_score("#### 1,234", "1234", method="flexible") == 0.0  # "1,234": commas are kept
+    assert gsm8k_score("#### 1,234", "1,234", method="flexible") == 1.0
+    assert gsm8k_score("it drops to -5", "-5", method="flexible") == 1.0
+    assert gsm8k_score("#### -5", "5") == 0.0  # the sign is part of the answer
+    assert gsm8k_score("#### 3.50", "3.5", method="flexible") == 0.0
+    assert extract_solution("first 12, then 3.5 and finally 8", "flexible") == "8"
+    assert extract_solution("#### 7 + 1 = 8.", "flexible") == "8."
+
+
+def test_last_of_several_answers_counts_in_both_modes():
+    response = "#### 10\nHmm, recheck.\n#### 12"
+    assert gsm8k_score(response, "12") == 1.0
+    assert gsm8k_score(response, "10") == 0.0
+    assert gsm8k_score(response, "12", method="flexible") == 1.0
+
+
+def test_clip_applies_before_extraction_in_both_modes():
+    long_tail = "#### 72\n" + "words " * 60  # 360 characters after the answer: out of reach
+    assert len(long_tail) > SOLUTION_CLIP_CHARS
+    assert gsm8k_score(long_tail, "72") == 0
+    assert gsm8k_score(long_tail, "72", method="flexible") == 0
+    # a later number inside the window wins over the clipped one in flexible mode
+    assert gsm8k_score("#### 72 " + "x" * 400 + " 73", "73", method="flexible") == 1.0
+
+
+def test_format_and_score_args_in_flexible_mode():
+    assert gsm8k_score("maybe 5", "6", method="flexible", format_score=0.1) == 0.1
+    assert gsm8k_score("maybe 6", "6", method="flexible", score=3.0) == 3.0
+    assert gsm8k_score("no digits", "6", method="flexible", format_score=0.1) == 0  # None -> 0
+    assert gsm8k_score("#### 6", "6", format_score=0.5, score=0.5) == 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# MATH: veRL's math_reward (last box, Hendrycks string normalisation)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response, boxed", [
+    (r"so the answer is $\boxed{\frac{1}{2}}$.", r"\boxed{\frac{1}{2}}"),
+    (r"\boxed{\sqrt{\frac{1}{\{2\}}}} done", r"\boxed{\sqrt{\frac{1}{\{2\}}}}"),  # nested braces
+    (r"\boxed{1} no wait, \boxed{2}", r"\boxed{2}"),  # several boxes: the last
+    (r"\fbox{3}", r"\fbox{3}"),
+    (r"\fbox{3} then \boxed{4}", r"\boxed{4}"),
+    (r"\boxed{4} then \fbox{3}", r"\boxed{4}"),  # any \boxed beats \fbox, even an earlier one
+    (r"The answer is \boxed 5", r"\boxed 5"),
+    (r"The answer is $\boxed 5$.", r"\boxed 5"),  # the space form ends at the next "$"
+    (r"\boxed 1 no, \boxed{2}", r"\boxed 1 no, \boxed{2}"),  # the space form wins over braces
+    (r"\boxed{5", None),  # never closed
+    ("The answer is 5.", None),
+    ("", None),
+])
+def test_last_boxed_only_string(response, boxed):
+    assert last_boxed_only_string(response) == boxed
+
+
+def test_remove_boxed():
+    assert remove_boxed(r"\boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert remove_boxed(r"\boxed 5") == "5"
+    assert remove_boxed(r"\boxed{}") == ""
+    with pytest.raises(ValueError):
+        remove_boxed(r"\fbox{3}")  # veRL only strips \boxed (it asserts)
+    with pytest.raises(ValueError):
+        remove_boxed("5")
+
+
+@pytest.mark.parametrize("raw, normal", [
+    (r"\dfrac12", r"\frac{1}{2}"),
+    (r"\tfrac{1}{2}", r"\frac{1}{2}"),
+    ("0.5", r"\frac{1}{2}"),
+    (".5", r"\frac{1}{2}"),
+    ("1/2", r"\frac{1}{2}"),
+    ("-3/4", r"\frac{-3}{4}"),
+    ("03/4", "03/4"),  # not canonical integers: left alone
+    ("x/2", "x/2"),
+    (r"\frac1{72}", r"\frac{1}{72}"),
+    (r"\frac{72}1", r"\frac{72}1"),
+    (r"\frac1", r"\frac1"),  # one character after \frac: whole string left alone
+    ("10\\%", "10"),
+    ("10\\\\%", "10"),
+    ("10%", "10%"),  # a bare percent sign stays (veRL removes only \%)
+    (r"5\text{ cm}", "5"),
+    (r"5 \text{ cm}^2", "5"),
+    (r"5\text{cm}", r"5\text{cm}"),  # units only with a space after the brace
+    ("x=5", "5"),
+    ("k = 5", "5"),
+    ("xy = 5", "xy=5"),  # more than two characters before "="
+    ("x=y=5", "x=y=5"),
+    (r"\sqrt3", r"\sqrt{3}"),
+    (r"2\sqrt{3}", r"2\sqrt{3}"),
+    (r"\left( 1, 2 \right)", "(1,2)"),
+    (r"90^\circ", "90"),
+    (r"90^{\circ}", "90"),
+    (r"\$5", "5"),
+    ("$5", "$5"),
+    ("1\\!000", "1000"),
+    ("1\n2", "12"),
+    ("a\\\\b", "a\\b"),
+    ("{.5}", "{0.5}"),
+    ("x .5", "x0.5"),
+    ("", ""),
+])
+def test_strip_string(raw, normal):
+    assert strip_string(raw) == normal
+
+
+def test_strip_string_failures_and_raw_fallback():
+    for unreadable in (r"2\sqrt", r"\frac", r"5\text{ cm}\text{ m}"):
+        with pytest.raises(MathNormalizationError):
+            strip_string(unreadable)
+    assert is_equiv(r"2\sqrt", r"2\sqrt")  # compared raw
+    assert not is_equiv(r"2\sqrt", r"2 \sqrt")  # raw strings differ, no space removal
+    assert not is_equiv(r"\frac", r"\frac ")
+    assert is_equiv(None, None) and not is_equiv("1", None) and not is_equiv(None, "1")
+
+
+@pytest.mark.parametrize("answer, ground_truth, expected", [
+    (r"\frac{1}{2}", r"\frac{1}{2}", 1.0),
+    ("0.5", r"\frac{1}{2}", 1.0),
+    (r"\dfrac12", r"\frac{1}{2}", 1.0),
+    (r"\dfrac12", "0.5", 1.0),
+    ("1/2", r"\frac{1}{2}", 1.0),
+    (".5", "0.5", 1.0),
+    ("0.50", "0.5", 0.0),  # no numeric equivalence
+    ("2/4", "1/2", 0.0),
+    ("10\\%", "10", 1.0),
+    ("10", "10\\%", 1.0),
+    ("10%", "10", 0.0),  # veRL quirk: a bare "%" is kept
+    (r"5\text{ cm}", "5", 1.0),
+    (r"5 \text{ cm}", r"5\text{ m}", 1.0),  # units are dropped on both sides
+    (r"5\text{cm}", "5", 0.0),
+    ("x=5", "5", 1.0),
+    ("x = 5", "5", 1.0),
+    (" ( 1 , 2 ) ", "(1,2)", 1.0),
+    (r"\left( 1, 2 \right)", "(1, 2)", 1.0),
+    ("3\\sqrt3", r"3\sqrt{3}", 1.0),
+    (r"90^\circ", "90", 1.0),
+    ("5", "6", 0.0),
+])
+def test_math_equivalences(answer, ground_truth, expected):
+    got = math_score(f"Working... so the answer is $\\boxed{{{answer}}}$.", ground_truth)
+    assert got == expected and type(got) is float
+    assert is_equiv(answer, ground_truth) is (expected == 1.0)
+
+
+def test_math_compute_score_edge_cases():
+    assert math_score("The answer is 5.", "5") == 0.0  # no box
+    assert type(math_score("The answer is 5.", "5")) is float
+    assert math_score(r"\boxed{4} no wait \boxed{5}", "5") == 1.0
+    assert math_score(r"\boxed{5} no wait \boxed{4}", "5") == 0.0
+    assert math_score(r"The answer is \boxed 5", "5") == 1.0
+    assert math_score(r"The answer is $\boxed 5$.", "5") == 1.0
+    assert math_score(r"The answer is \boxed 5.", "5") == 0.0  # "5." up to the end, no "$"
+    assert math_score(r"\boxed 1 no, \boxed{2}", "2") == 0.0  # the space form takes precedence
+    assert math_score(r"\fbox{5}", "5") == 0.0  # found, but veRL's remove_boxed rejects \fbox
+    assert math_score(r"\boxed{5", "5") == 0.0  # unclosed
+    assert math_score(r"\boxed{2\sqrt}", r"2\sqrt") == 1.0  # unnormalisable: raw compare
+    assert math_score(None, "5") == 0.0  # unreadable input scores 0, never raises
+    assert math_score(r"\boxed{5}", 5) == 0.0  # non-string ground truth: raw compare "5" != 5
+
+
 # ---------------------------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +284,17 @@ def test_builtin_data_sources():
     assert {"openai/gsm8k", "kfrl/arith"} <= set(rewards.registered_data_sources())
 
 
+@pytest.mark.parametrize("data_source", [
+    "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"])
+def test_math_data_sources(data_source):
+    assert data_source in rewards.registered_data_sources()
+    assert get_scorer(data_source).__wrapped__ is rewards.math.compute_score
+    result = compute_score(data_source, r"so $\boxed{\dfrac12}$", r"\frac{1}{2}")
+    assert result == 1.0 and type(result) is float
+    assert compute_score(data_source, r"so $\boxed{\dfrac13}$", r"\frac{1}{2}") == 0.0
+    assert compute_score(data_source, "no box: 1/2", r"\frac{1}{2}", extra_info={"index": 3}) == 0.0
+
+
 def test_unknown_data_source():
     with pytest.raises(UnknownDataSourceError) as info:
         compute_score("openai/gsm8kk", "#### 1", "1")
@@ -119,6 +305,17 @@ def test_unknown_data_source():
     assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
     with pytest.raises(KeyError):
         get_scorer("nope")
+
+    with pytest.raises(UnknownDataSourceError) as info:
+        compute_score("HuggingFaceH4/MATH-50", r"\boxed{1}", "1")
+    message = str(info.value)
+    assert "'HuggingFaceH4/MATH-50'" in message and "Did you mean 'HuggingFaceH4/MATH-500'" in message
+    for known in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
+                  "openai/gsm8k", "kfrl/arith"):
+        assert known in message
+    with pytest.raises(UnknownDataSourceError, match="Registered: ") as info:
+        get_scorer("math_dapo")  # veRL routes this to math_dapo, which kfrl does not have
+    assert "'math_dapo'" in str(info.value)
 
 
 def test_register_and_normalise_results():

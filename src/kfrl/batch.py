@@ -44,6 +44,7 @@ GROUPS: dict[str, pa.Schema] = {
         ("finish_reason", pa.string()),
         ("ground_truth", pa.string()),
         ("extra_info", pa.string()),
+        ("raw_prompt", pa.string()),  # the prompt's chat messages (JSON), for reward models and functions
     ),
     "score": _schema(
         ("score", pa.float32()),
@@ -54,6 +55,16 @@ GROUPS: dict[str, pa.Schema] = {
     "ref_logprob": _schema(("ref_logprobs", _TOKEN_FLOATS)),
     "values": _schema(("values", _TOKEN_FLOATS)),
     "gen_max": _schema(("reward_baselines", pa.float32())),
+    # Validation generations (one file per validation; not joined with the training groups).
+    "validate": _schema(
+        ("data_source", pa.string()),
+        ("prompt_ids", _TOKENS),
+        ("response_ids", _TOKENS),
+        ("ground_truth", pa.string()),
+        ("score", pa.float32()),
+        ("acc", pa.float32()),
+        ("reward_extra", pa.string()),
+    ),
     "advantage": _schema(
         ("token_level_rewards", _TOKEN_FLOATS),
         ("advantages", _TOKEN_FLOATS),

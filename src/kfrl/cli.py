@@ -18,6 +18,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 def _load(config: Optional[Path], overrides: List[str], store: Optional[str], tracking_uri: Optional[str],
           runner: Optional[str]):
+    """The resolved config; veRL keys that mean nothing here are printed as notices."""
     from kfrl.config import ConfigError, load_config
 
     extra = list(overrides or [])
@@ -27,28 +28,71 @@ def _load(config: Optional[Path], overrides: List[str], store: Optional[str], tr
         extra.append(f"tracking.uri={tracking_uri}")
     if runner:
         extra.append(f"pipeline.runner={runner}")
+    notices: list[str] = []
     try:
-        return load_config(config, extra)
+        cfg = load_config(config, extra, notices)
     except ConfigError as err:
         _fail(str(err))
+    for notice in notices:
+        typer.secho(f"notice: {notice}", fg=typer.colors.CYAN, err=True)
+    return cfg
+
+
+def _local_parts(spec: str | None) -> list[Path]:
+    if not spec or spec.startswith("builtin:"):
+        return []
+    return [Path(p.strip()).expanduser() for p in spec.split(",") if p.strip() and "://" not in p]
+
+
+def _train_rows(cfg) -> int | None:
+    """Rows of the training data, from Parquet footers only; None when unknown here."""
+    if cfg.data.train_files == "builtin:arith":
+        return cfg.data.builtin_train_size
+    parts = _local_parts(cfg.data.train_files)
+    if not parts or not all(p.is_file() for p in parts) or "://" in cfg.data.train_files:
+        return None
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
 
 
 def dry_run_report(cfg) -> tuple[str, list[str]]:
-    """The stage plan as text, and warnings about inputs that are missing (nothing is loaded)."""
-    from kfrl.stages import plan
+    """The stage plan and iteration count as text, and warnings about what is missing. Nothing is
+    loaded: no model, no data beyond Parquet footers, no rollout backend."""
+    import importlib.util
+
+    from kfrl.stages import plan, skip_reason
 
     lines = ["stage plan (one KFP pipeline run per iteration):"]
     for stage, why in plan(cfg).items():
         lines.append(f"  {'run ' if not why else 'skip'}  {stage:<13} {('— ' + why) if why else ''}")
     warnings = []
-    path = cfg.model.path
-    if not path.startswith("builtin:") and "://" not in path and not (Path(path).expanduser() / "config.json").is_file():
-        warnings.append(f"model.path {path} is not an HF model directory (no config.json)")
+    if not skip_reason("validate", cfg, 0):
+        lines.append("  validation of the initial policy before iteration 1 (trainer.val_before_train)")
+    rows = _train_rows(cfg)
+    if cfg.trainer.total_iterations:
+        lines.append(f"iterations: {cfg.trainer.total_iterations} (trainer.total_iterations)")
+    elif rows is not None:
+        per_epoch = rows // cfg.data.train_batch_size
+        lines.append(f"iterations: {per_epoch * cfg.trainer.total_epochs} = {per_epoch} per epoch ({rows} rows // "
+                     f"{cfg.data.train_batch_size} prompts, drop_last) x {cfg.trainer.total_epochs} epochs")
+    else:
+        lines.append(f"iterations: {cfg.trainer.total_epochs} epochs x (training rows // "
+                     f"{cfg.data.train_batch_size}), counted when the data is read")
+    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path if cfg.use_critic
+                                                          else ""), ("reward.model_path", cfg.reward.model_path)):
+        if path and not path.startswith("builtin:") and "://" not in path \
+                and not (Path(path).expanduser() / "config.json").is_file():
+            warnings.append(f"{key}: {path} is not a local HF model directory (no config.json); "
+                            "kfrl loads models from local directories or the store, not from a hub")
     for key, spec in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
-        if spec and not spec.startswith("builtin:"):
-            for part in spec.split(","):
-                if "://" not in part and not Path(part.strip()).expanduser().is_file():
-                    warnings.append(f"{key}: {part.strip()} does not exist")
+        for part in _local_parts(spec):
+            if not part.is_file():
+                warnings.append(f"{key}: {part} does not exist (prepare GSM8K with `kfrl data gsm8k`)")
+    if cfg.rollout.name == "vllm":
+        found = importlib.util.find_spec("vllm") is not None
+        warnings.append("rollout.name=vllm: this kfrl version generates with the HF backend only; set rollout.name=hf"
+                        + ("" if found else " (and the vllm package is not installed)"))
     return "\n".join(lines), warnings
 
 
@@ -84,6 +128,52 @@ def train(
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         _fail(f"{type(err).__name__}: {err}", code=1)
     typer.echo(f"done: run {summary.run_id} at {summary.run_uri}; MLflow run {summary.mlflow_run_id}")
+
+
+data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets as veRL-schema Parquet files.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("gsm8k")
+def data_gsm8k(
+    input: Path = typer.Option(..., "--input", "-i", help="local openai/gsm8k files: the HF repo folder "
+                               "(main/*.parquet), a folder of train/test .parquet or .jsonl, or one file"),
+    output: Path = typer.Option(..., "--output", "-o", help="folder for train.parquet and test.parquet"),
+    split: Optional[str] = typer.Option(None, "--split", help="only this split (train or test)"),
+):
+    """GSM8K as veRL's examples/data_preprocess/gsm8k.py writes it (same rows, same prompt text)."""
+    from kfrl.data.gsm8k import GSM8KError, prepare_gsm8k
+
+    try:
+        results = prepare_gsm8k(input, output, split=split)
+    except (FileNotFoundError, GSM8KError) as err:
+        _fail(str(err), code=1)
+    for name, result in results.items():
+        typer.echo(f"wrote {result.path} ({result.rows} rows, {name})")
+
+
+@app.command()
+def export(
+    run: str = typer.Option(..., "--run", help="the run id (as printed by kfrl train)"),
+    to: Path = typer.Option(..., "--to", help="target folder (must be empty or absent)"),
+    iteration: Optional[int] = typer.Option(None, "--iteration", help="policy after this iteration "
+                                            "(default: the last completed; 0 = the initial model)"),
+    store: str = typer.Option("./kfrl-runs/store", "--store", help="the store the run lives in"),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="trainer.experiment_name of the run "
+                                             "(found by searching the store when omitted)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="re-save weights as bfloat16 | float16 | float32"),
+    critic: bool = typer.Option(False, "--critic", help="export the critic (value model) instead"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty target folder"),
+):
+    """Write a run's policy (or critic) as a loadable Hugging Face model folder, tokenizer included."""
+    from kfrl.export import export_policy, find_run
+
+    try:
+        run_uri = find_run(store, run, experiment)
+        result = export_policy(run_uri, to, iteration=iteration, dtype=dtype, critic=critic, overwrite=overwrite)
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
+        _fail(str(err), code=1)
+    typer.echo(f"exported iteration {result.iteration} of {run_uri} to {result.path}")
 
 
 @app.command(name="compile")

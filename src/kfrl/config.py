@@ -34,7 +34,18 @@ class DataConfig(Section):
     gen_batch_size: Optional[int] = Field(None, ge=1)
     max_prompt_length: int = Field(64, ge=1)
     max_response_length: int = Field(16, ge=1)
+    # A prompt over max_prompt_length: "error" stops the run naming the row; "left"/"right" keep the
+    # last/first max_prompt_length tokens (veRL's data.truncation).
+    truncation: Literal["error", "left", "right"] = "error"
+    # Drop prompts over max_prompt_length when the run is prepared (veRL's data.filter_overlong_prompts).
+    filter_overlong_prompts: bool = False
+    # Hand the prompt's chat messages to reward functions as extra_info["raw_prompt"] (veRL's return_raw_chat).
+    return_raw_chat: bool = False
     prompt_key: str = "prompt"
+    # The column that picks the reward function (veRL's data.reward_fn_key).
+    reward_fn_key: str = "data_source"
+    # Prompts per validation generation call; null = all at once.
+    val_batch_size: Optional[int] = Field(None, ge=1)
     shuffle: bool = True
     seed: int = 1
     # Size of the builtin synthetic dataset (ignored for real files).
@@ -49,9 +60,19 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
+class ValKwargsConfig(Section):
+    # Validation sampling (veRL's rollout.val_kwargs): greedy, one response per prompt by default.
+    do_sample: bool = False
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    n: int = Field(1, ge=1)
+
+
 class RolloutConfig(Section):
-    # Rollout backend. "hf": transformers generate (the only one so far; vLLM is planned).
-    name: Literal["hf"] = "hf"
+    # Rollout backend. "hf": transformers generate. "vllm" is accepted so veRL command lines resolve
+    # and dry-run, but the vLLM engine is not built yet: a run with it stops at the rollout stage.
+    name: Literal["hf", "vllm"] = "hf"
     n: int = Field(4, ge=1, description="responses per prompt")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -62,6 +83,7 @@ class RolloutConfig(Section):
     # HF backend KV cache: "static" pre-allocates it and lets transformers compile the decode
     # step (faster on GPU after a one-off compile; no gain on CPU).
     hf_cache: Literal["dynamic", "static"] = "dynamic"
+    val_kwargs: ValKwargsConfig = ValKwargsConfig()
 
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus",
@@ -154,15 +176,30 @@ class OverlongBufferConfig(Section):
 
 
 class RewardConfig(Section):
-    # "rule": score with the registry keyed by each row's data_source (kfrl.rewards).
-    name: Literal["rule"] = "rule"
+    # "rule": score with the registry keyed by each row's data_source (kfrl.rewards), or with
+    # custom_function_path when set. "model": a sequence-classification reward model (model_path)
+    # scores prompt + response; its logit is the score.
+    name: Literal["rule", "model"] = "rule"
+    # veRL's custom_reward_function.path / .name: a Python file (or module) and the function in it,
+    # called as fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...).
+    custom_function_path: str = ""
+    custom_function_name: str = "compute_score"
+    model_path: str = ""
+    micro_batch_size: int = Field(16, ge=1, description="reward model: sequences per forward pass")
     overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
 
 
 class TrainerConfig(Section):
     project_name: str = "kfrl"
     experiment_name: str = "demo"
-    total_iterations: int = Field(4, ge=1)
+    # Iterations of the run. null: total_epochs passes over the training data, i.e.
+    # total_epochs x (rows // data.train_batch_size) iterations (veRL's total_training_steps).
+    total_iterations: Optional[int] = Field(None, ge=1)
+    total_epochs: int = Field(1, ge=1)
+    # Validation over data.val_files: every test_freq iterations and at the last (-1 = never),
+    # and before the first iteration when val_before_train.
+    test_freq: int = -1
+    val_before_train: bool = True
     # The actor is updated from iteration critic_warmup on (veRL: critic_warmup <= global_steps),
     # so the critic trains alone for critic_warmup - 1 iterations.
     critic_warmup: int = Field(0, ge=0)
@@ -229,6 +266,8 @@ class Config(Section):
         if algo.filter_groups.enable and algo.filter_groups.metric == "seq_final_reward" and algo.use_kl_in_reward:
             raise ValueError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
                              "groups are filtered at rollout, before the reference KL exists; use seq_reward")
+        if self.reward.name == "model" and not self.reward.model_path:
+            raise ValueError("reward.name=model needs reward.model_path (a sequence-classification model directory)")
         if self.reward.overlong_buffer.enable and self.reward.overlong_buffer.len > self.data.max_response_length:
             raise ValueError(f"reward.overlong_buffer.len ({self.reward.overlong_buffer.len}) exceeds "
                              f"data.max_response_length ({self.data.max_response_length})")
@@ -333,8 +372,8 @@ def nearest_key(key: str, candidates: list[str] | None = None) -> str | None:
     return by_leaf[match[0]] if match else None
 
 
-def _unknown_key_error(key: str) -> ConfigError:
-    hint = nearest_key(key)
+def _unknown_key_error(key: str, candidates: list[str] | None = None) -> ConfigError:
+    hint = nearest_key(key, candidates)
     msg = f"unknown config key '{key}'"
     if hint:
         msg += f"; did you mean '{hint}'?"
@@ -395,8 +434,15 @@ def build_config(tree: dict) -> Config:
         raise _validation_error(err) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """YAML file (optional) + ``section.key=value`` overrides → validated Config."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                notices: list[str] | None = None) -> Config:
+    """YAML file (optional) + ``section.key=value`` overrides → validated Config.
+
+    Overrides may use veRL's keys (``actor_rollout_ref.actor.optim.lr=1e-6``): they are mapped
+    onto kfrl's (kfrl.verl_compat); veRL keys that mean nothing here are appended to ``notices``."""
+    from kfrl.verl_compat import VERL_DEFAULTS, all_verl_keys, is_verl_command_line, translate
+
+    kfrl_keys = set(valid_keys())
     tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -409,10 +455,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not key=value (e.g. actor.lr=1e-5)")
+    keys = [item.partition("=")[0].strip().lstrip("+") for item in overrides or []]
+    if is_verl_command_line(keys, kfrl_keys):
+        # veRL's defaults underneath the YAML file and the overrides.
+        base: dict = {}
+        for key, value in VERL_DEFAULTS.items():
+            set_dotted(base, key, value)
+        tree = _merge(base, tree)
+        if notices is not None:
+            notices.append("veRL command line: veRL's defaults apply where it sets nothing ("
+                           + ", ".join(f"{k}={v}" for k, v in VERL_DEFAULTS.items()) + ")")
+    for item in overrides or []:
         key, _, raw = item.partition("=")
         key = key.strip().lstrip("+")
-        set_dotted(tree, key, parse_value(raw))
+        target, value, notice = translate(key, parse_value(raw), kfrl_keys)
+        if notice is not None and notices is not None:
+            notices.append(notice)
+        if target is None:
+            continue
+        if target not in kfrl_keys:
+            raise _unknown_key_error(key, sorted(kfrl_keys) + all_verl_keys())
+        set_dotted(tree, target, value)
     return build_config(tree)
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def config_from_yaml_text(text: str) -> Config:

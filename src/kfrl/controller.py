@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kfrl.config import Config, config_from_yaml_text
-from kfrl.stages import STAGES, TIMING_NAMES, plan
+from kfrl.stages import STAGES, TIMING_NAMES, plan, skip_reason
 from kfrl.stages.context import CONFIG_FILE, stage_prefix
 from kfrl.store import Store
 
@@ -23,7 +23,7 @@ from kfrl.store import Store
 EXECUTION_SECTIONS = ("store", "tracking", "pipeline")
 # Later entries win when stages report the same metric (veRL reports actor/entropy from old_log_prob).
 METRIC_ORDER = ("rollout", "gen_max", "score", "ref_logprob", "values", "advantage", "update_critic", "update_actor",
-                "old_logprob")
+                "old_logprob", "validate")
 
 
 def new_run_id() -> str:
@@ -54,8 +54,29 @@ def resolve_resume(stored: Config, given: Config, total_iterations: int | None) 
                 continue
             if tree[section].get(key) != value:
                 ignored.append(f"{section}.{key}")
-    tree["trainer"]["total_iterations"] = total_iterations or given.trainer.total_iterations
+    tree["trainer"]["total_iterations"] = (total_iterations or given.trainer.total_iterations
+                                           or stored.trainer.total_iterations)
     return Config.model_validate(tree), ignored
+
+
+def resolve_total(store: Store, config: Config) -> Config:
+    """Fix trainer.total_iterations (from total_epochs when null: veRL's total_training_steps =
+    len(dataloader) x total_epochs, drop_last) and store the config stages will read."""
+    from kfrl.data.dataset import steps_per_epoch
+
+    if config.trainer.total_iterations is None:
+        manifest = store.manifest("data/train")
+        rows = int(manifest.info.get("rows", 0)) if manifest is not None else 0
+        per_epoch = steps_per_epoch(rows, config.data.train_batch_size)
+        if per_epoch == 0:
+            raise ValueError(f"the training set has {rows} rows, fewer than data.train_batch_size="
+                             f"{config.data.train_batch_size}: not one iteration per epoch")
+        config = config.model_copy(update={"trainer": config.trainer.model_copy(
+            update={"total_iterations": per_epoch * config.trainer.total_epochs})})
+    text = config.to_yaml()
+    if store.read_text(CONFIG_FILE) != text:
+        store.write_text(CONFIG_FILE, text)
+    return config
 
 
 def collect_metrics(store: Store, iteration: int) -> dict[str, float]:
@@ -141,9 +162,10 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     elif iterations:
         config = config.model_copy(update={"trainer": config.trainer.model_copy(
             update={"total_iterations": iterations})})
-    total = config.trainer.total_iterations
     with console.status(f"preparing run {run_id} (data, initial policy)"):
         prepare_run(store, config)
+        config = resolve_total(store, config)
+    total = config.trainer.total_iterations
     latest = store.get_latest("") or 0
 
     tracker = Tracker(config.tracking.uri, config.tracking_experiment, run_id, run_name=run_id)
@@ -162,6 +184,12 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     runner = make_runner(config)
     logs = Path(log_dir or Path(config.pipeline.pipeline_root) / "logs") / run_id
     try:
+        if latest == 0 and not skip_reason("validate", config, 0):
+            with console.status("validating the initial policy (trainer.val_before_train)"):
+                runner.run(run_uri, 0, logs / "validate-000000.log", pipeline="validate")
+            metrics = collect_metrics(store, 0)
+            tracker.log_iteration(0, metrics)
+            console.print(validation_line(0, metrics))
         for iteration in range(latest + 1, total + 1):
             label = f"iteration {iteration}/{total}"
             started = time.perf_counter()
@@ -170,6 +198,8 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
             step_time = time.perf_counter() - started
             metrics = record_iteration(store, tracker, config, iteration, step_time, summary)
             console.print(iteration_line(iteration, total, metrics, stage_plan))
+            if any(key.startswith("val-core/") for key in metrics):
+                console.print(validation_line(iteration, metrics))
     except KeyboardInterrupt:
         tracker.finish("KILLED")
         raise
@@ -202,6 +232,12 @@ def record_iteration(store: Store, tracker, config: Config, iteration: int, step
     store.set_latest("", iteration)
     summary.iterations[iteration] = metrics
     return metrics
+
+
+def validation_line(iteration: int, metrics: dict[str, float]) -> str:
+    core = "  ".join(f"{key.removeprefix('val-core/')} {value:.3f}" for key, value in sorted(metrics.items())
+                     if key.startswith("val-core/"))
+    return f"validate after {iteration:>3}  {core}"
 
 
 def iteration_line(iteration: int, total: int, metrics: dict[str, float], stage_plan: dict[str, str]) -> str:

@@ -21,10 +21,10 @@ class InlineRunner:
 
     name = "inline"
 
-    def run(self, run_uri: str, iteration: int, log_path: Path) -> None:
+    def run(self, run_uri: str, iteration: int, log_path: Path, pipeline: str = "iteration") -> None:
         from kfrl.stages import STAGES, run_stage
 
-        for stage in STAGES:
+        for stage in STAGES if pipeline == "iteration" else ("validate",):
             try:
                 run_stage(stage, run_uri, iteration)
             except Exception as err:
@@ -58,12 +58,12 @@ class LocalKfpRunner:
                    raise_on_error=True)
         _LOCAL_ROOT = self.pipeline_root
 
-    def run(self, run_uri: str, iteration: int, log_path: Path) -> None:
+    def run(self, run_uri: str, iteration: int, log_path: Path, pipeline: str = "iteration") -> None:
         import logging
 
         from kfrl.pipelines.rl_iteration import PIPELINES, pipeline_for
 
-        pipeline = PIPELINES[pipeline_for(self.fuse)]
+        pipeline = PIPELINES[pipeline_for(self.fuse, pipeline)]
         self._init()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as log, _quiet_kfp(log), warnings.catch_warnings():
@@ -98,13 +98,14 @@ class ClusterKfpRunner:
             self._client = kfp.Client(host=self.config.pipeline.host)
         return self._client
 
-    def run(self, run_uri: str, iteration: int, log_path: Path) -> None:
+    def run(self, run_uri: str, iteration: int, log_path: Path, pipeline: str = "iteration") -> None:
         from kfrl.pipelines.compile import compiled_path
         from kfrl.pipelines.rl_iteration import pipeline_for
 
         result = self.client.create_run_from_pipeline_package(
-            str(compiled_path(pipeline_for(self.config.pipeline.fuse))), arguments={"run_uri": run_uri, "iteration": iteration},
-            run_name=f"{self.config.trainer.experiment_name}-{Path(run_uri).name}-iter-{iteration}",
+            str(compiled_path(pipeline_for(self.config.pipeline.fuse, pipeline))),
+            arguments={"run_uri": run_uri, "iteration": iteration},
+            run_name=f"{self.config.trainer.experiment_name}-{Path(run_uri).name}-{pipeline}-{iteration}",
             experiment_name=self.config.trainer.project_name, enable_caching=False,
         )
         run = self.client.wait_for_run_completion(result.run_id, timeout=self.config.pipeline.run_timeout_s)

@@ -144,6 +144,11 @@ def checkpoint_artifact_dir(iteration: int) -> str:
     return f"checkpoints/iter-{iteration:06d}"
 
 
+def mlflow_metric_name(name: str) -> str:
+    """MLflow refuses "@" in metric names; veRL's MLflow logger writes val-core/.../mean@1 as mean_at_1."""
+    return name.replace("@", "_at_")
+
+
 class Tracker:
     """The MLflow side of one kfrl training run. See the module docstring."""
 
@@ -286,7 +291,7 @@ class Tracker:
             if not math.isfinite(number):
                 logger.warning("metric %r at iteration %d is %s; skipped", name, iteration, number)
                 continue
-            metric_list.append(Metric(str(name), number, timestamp_ms, iteration))
+            metric_list.append(Metric(mlflow_metric_name(str(name)), number, timestamp_ms, iteration))
         return metric_list
 
     # --- tables --------------------------------------------------------------------------------

@@ -39,14 +39,22 @@ def prompt_messages(row: dict, prompt_key: str, source: str) -> list[dict]:
     return [dict(m) for m in messages]
 
 
-def tokenize_prompt(tokenizer, messages: list[dict], max_length: int, source: str) -> list[int]:
+def tokenize_prompt(tokenizer, messages: list[dict], max_length: int, source: str,
+                    truncation: str = "error") -> list[int]:
+    """The chat template applied by the tokenizer (with the generation prompt), then veRL's
+    ``data.truncation``: "error" names the row, "left" keeps the last tokens, "right" the first."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     ids = list(ids)
-    if len(ids) > max_length:
-        raise DatasetError(f"{source}: prompt is {len(ids)} tokens, over data.max_prompt_length={max_length}")
-    return ids
+    if len(ids) <= max_length:
+        return ids
+    if truncation == "left":
+        return ids[-max_length:]
+    if truncation == "right":
+        return ids[:max_length]
+    raise DatasetError(f"{source}: prompt is {len(ids)} tokens, over data.max_prompt_length={max_length}; "
+                       "set data.truncation=left|right, or data.filter_overlong_prompts=true to drop such rows")
 
 
 def ground_truth_of(row: dict) -> str:

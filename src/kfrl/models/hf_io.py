@@ -57,3 +57,12 @@ def load_value_model(path: str | Path, dtype: torch.dtype | None = None, device:
         torch.manual_seed(head_seed)
         model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype or "auto")
     return model.to(device)
+
+
+def load_reward_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> PreTrainedModel:
+    """A sequence-classification reward model (one logit per sequence) from a local HF directory."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = _require_hf_dir(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype or "auto")
+    return model.to(device)

@@ -1,5 +1,5 @@
-"""Rule rewards (GSM8K-style) and the reward registry keyed by each row's data_source."""
-from kfrl.rewards import gsm8k
+"""Rule rewards (GSM8K, MATH boxed answers) and the reward registry keyed by each row's data_source."""
+from kfrl.rewards import gsm8k, math
 from kfrl.rewards.registry import (
     UnknownDataSourceError,
     compute_score,
@@ -19,4 +19,5 @@ __all__ = [
     "normalize_score",
     "registered_data_sources",
     "gsm8k",
+    "math",
 ]

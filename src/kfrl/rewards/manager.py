@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 
 @dataclass
@@ -26,17 +26,44 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_len:
     return min(-exceed / buffer_len * penalty_factor, 0.0)
 
 
+RewardFn = Callable[[str, str, str, Optional[dict]], Any]
+
+
+def rule_reward_fn(custom_function_path: str = "", custom_function_name: str = "compute_score") -> RewardFn:
+    """``fn(data_source, solution_str, ground_truth, extra_info)``: the registry by data_source, or a
+    user's function (veRL's custom_reward_function), called with veRL's keyword signature."""
+    from kfrl.rewards import compute_score, load_custom_reward, normalize_score
+
+    if not custom_function_path:
+        return compute_score
+    custom = load_custom_reward(custom_function_path, custom_function_name)
+
+    def call(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict]) -> Any:
+        return normalize_score(custom(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                                      extra_info=extra_info))
+    return call
+
+
 def score_responses(texts: list[str], data_sources: list[str], ground_truths: list[str],
                     extra_infos: list[str | dict | None], response_lengths: list[int], *,
-                    max_response_length: int, overlong_buffer=None) -> list[ScoredResponse]:
-    """Score each decoded response with the scorer registered for its data_source."""
+                    max_response_length: int, overlong_buffer=None, reward_fn: RewardFn | None = None,
+                    raw_prompts: list[str | list] | None = None,
+                    model_scores: list[float] | None = None) -> list[ScoredResponse]:
+    """Score each decoded response: with ``model_scores`` (a reward model's) when given, else with
+    ``reward_fn`` (default: the scorer registered for its data_source). ``raw_prompts`` (chat
+    messages) reach the reward function as ``extra_info["raw_prompt"]``."""
     from kfrl.rewards import compute_score
 
+    reward_fn = reward_fn or compute_score
     shaping = overlong_buffer if overlong_buffer is not None and overlong_buffer.enable else None
     out: list[ScoredResponse] = []
-    for text, source, truth, extra, length in zip(texts, data_sources, ground_truths, extra_infos, response_lengths):
+    for i, (text, source, truth, extra, length) in enumerate(
+            zip(texts, data_sources, ground_truths, extra_infos, response_lengths)):
         info = json.loads(extra) if isinstance(extra, str) and extra else (extra or None)
-        result = compute_score(source, text, truth, extra_info=info)
+        if raw_prompts is not None:
+            messages = raw_prompts[i]
+            info = {**(info or {}), "raw_prompt": json.loads(messages) if isinstance(messages, str) else messages}
+        result = model_scores[i] if model_scores is not None else reward_fn(source, text, truth, info)
         if isinstance(result, dict):
             value = float(result["score"])
             extras = {k: v for k, v in result.items() if k != "score"}

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kfrl.rewards import gsm8k
+from kfrl.rewards import math as math_reward
 
 ScoreResult = float | dict[str, Any]
 Scorer = Callable[..., Any]
@@ -180,3 +181,7 @@ register("openai/gsm8k", gsm8k.compute_score)
 # kfrl's synthetic arithmetic task ends its answers with "#### <integer>" (kfrl.data.synthetic),
 # so the same strict rule applies.
 register("kfrl/arith", gsm8k.compute_score)
+# MATH (Hendrycks): the answer in the last \boxed{...}, compared after veRL's string normalisation;
+# the data sources veRL's default_compute_score sends to math_reward.
+MATH_DATA_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+register(MATH_DATA_SOURCES, math_reward.compute_score)

@@ -16,7 +16,7 @@ from kfrl.stages.context import StageContext, StageInputError, stage_prefix
 
 # Execution order within one iteration (a valid topological order of the DAG; veRL's step order).
 INFER_STAGES = ("rollout", "gen_max", "score", "old_logprob", "ref_logprob", "values")
-TRAIN_STAGES = ("advantage", "update_critic", "update_actor")
+TRAIN_STAGES = ("advantage", "update_critic", "update_actor", "validate")
 STAGES = INFER_STAGES + TRAIN_STAGES
 
 # Fused components: stages that share a process, so weights and imports are loaded once.
@@ -25,7 +25,7 @@ FUSED_GROUPS = {"infer": INFER_STAGES, "train": TRAIN_STAGES, "iteration": STAGE
 # veRL's timing_s/<name> for each stage, so kfrl runs compare with veRL runs.
 TIMING_NAMES = {"rollout": "gen", "gen_max": "gen_max", "score": "reward", "old_logprob": "old_log_prob",
                 "ref_logprob": "ref", "values": "values", "advantage": "adv", "update_critic": "update_critic",
-                "update_actor": "update_actor"}
+                "update_actor": "update_actor", "validate": "testing"}
 
 
 @dataclass
@@ -43,10 +43,11 @@ def _functions() -> dict[str, Callable]:
     from kfrl.stages.rollout import gen_max, rollout
     from kfrl.stages.score import score
     from kfrl.stages.update import update_actor, update_critic
+    from kfrl.stages.validate import validate
 
     return {"rollout": rollout, "gen_max": gen_max, "score": score, "old_logprob": old_logprob,
             "ref_logprob": ref_logprob, "values": values, "advantage": advantage, "update_critic": update_critic,
-            "update_actor": update_actor}
+            "update_actor": update_actor, "validate": validate}
 
 
 def skip_reason(stage: str, config, iteration: int | None = None) -> str:
@@ -60,10 +61,28 @@ def skip_reason(stage: str, config, iteration: int | None = None) -> str:
         return f"no critic: algorithm.adv_estimator={config.algorithm.adv_estimator} does not use values"
     if stage == "gen_max" and config.algorithm.adv_estimator != "remax":
         return "greedy baselines are only for algorithm.adv_estimator=remax"
+    if stage == "validate":
+        return validation_skip_reason(config, iteration)
     warmup = config.trainer.critic_warmup
     if stage == "update_actor" and iteration is not None and iteration < warmup:
         return f"critic warm-up: the actor is updated from iteration {warmup} (trainer.critic_warmup)"
     return ""
+
+
+def validation_skip_reason(config, iteration: int | None) -> str:
+    """veRL's schedule: before training when val_before_train; every test_freq iterations and at the last."""
+    trainer = config.trainer
+    if not config.data.val_files:
+        return "no validation data (data.val_files)"
+    if iteration == 0:
+        return "" if trainer.val_before_train else "trainer.val_before_train=false"
+    if trainer.test_freq <= 0:
+        return "trainer.test_freq <= 0"
+    if iteration is None:
+        return ""
+    if iteration % trainer.test_freq == 0 or iteration == trainer.total_iterations:
+        return ""
+    return f"not a validation iteration (every {trainer.test_freq}, trainer.test_freq, and the last)"
 
 
 def plan(config) -> dict[str, str]:

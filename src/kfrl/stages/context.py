@@ -40,10 +40,10 @@ def cache_root() -> Path:
 
 # Inference models and tokenizers loaded in this process, keyed by local checkpoint dir and dtype:
 # fused stages (and the inline runner) load each set of weights once. Two entries cover the
-# policy, the reference model and the critic; training copies are never cached (updates mutate them).
+# policy, the reference model, the critic and a reward model; training copies are never cached (updates mutate them).
 _MODEL_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _TOKENIZER_CACHE: dict[str, object] = {}
-MODEL_CACHE_SIZE = 3
+MODEL_CACHE_SIZE = 4
 
 
 @dataclass
@@ -182,6 +182,18 @@ class StageContext:
         return _cached(("critic", str(local), str(self.compute_dtype), self.device),
                        lambda: load_value_model(local, dtype=self.compute_dtype, device=self.device,
                                                 head_seed=seed).eval())
+
+    def load_reward_model(self):
+        """(model, tokenizer) of reward.model_path: a local HF sequence-classification directory."""
+        from kfrl.models.hf_io import load_reward_model, load_tokenizer
+
+        quiet_transformers()
+        path = str(Path(self.config.reward.model_path).expanduser())
+        model = _cached(("reward", path, str(self.compute_dtype), self.device),
+                        lambda: load_reward_model(path, dtype=self.compute_dtype, device=self.device).eval())
+        if path not in _TOKENIZER_CACHE:
+            _TOKENIZER_CACHE[path] = load_tokenizer(path)
+        return model, _TOKENIZER_CACHE[path]
 
 
 def _cached(key: tuple, load):

@@ -22,7 +22,8 @@ def _read_dataset_source(spec: str, *, split: str, config: Config):
 
         n = config.data.builtin_train_size if split == "train" else config.data.builtin_val_size
         seed = config.data.seed if split == "train" else config.data.seed + 7919
-        return pa.Table.from_pylist(make_arith_rows(n, seed, split))
+        # The synthetic task's held-out problems are its "test" split.
+        return pa.Table.from_pylist(make_arith_rows(n, seed, "train" if split == "train" else "test"))
     tables = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
         if "://" in part:
@@ -38,15 +39,36 @@ def _read_dataset_source(spec: str, *, split: str, config: Config):
     return pa.concat_tables(tables)
 
 
+def filter_overlong(table, tokenizer, config: Config, source: str):
+    """veRL's data.filter_overlong_prompts: drop rows whose templated prompt exceeds max_prompt_length."""
+    from kfrl.data.dataset import prompt_messages, tokenize_prompt
+
+    keep = []
+    for i, row in enumerate(table.select([config.data.prompt_key]).to_pylist()):
+        ids = tokenize_prompt(tokenizer, prompt_messages(row, config.data.prompt_key, f"{source} row {i}"),
+                              10**9, f"{source} row {i}")
+        if len(ids) <= config.data.max_prompt_length:
+            keep.append(i)
+    return table.take(keep)
+
+
 def prepare_data(store: Store, config: Config) -> None:
     for split, spec in (("train", config.data.train_files), ("val", config.data.val_files)):
         prefix = f"data/{split}"
         if spec is None or store.is_committed(prefix):
             continue
         table = _read_dataset_source(spec, split=split, config=config)
+        info = {"source": spec, "rows": table.num_rows}
+        if config.data.filter_overlong_prompts:
+            from kfrl.stages.context import StageContext
+
+            ctx = StageContext.open(store.uri, INIT_ITERATION)
+            before = table.num_rows
+            table = filter_overlong(table, ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION)), config, spec)
+            info.update(rows=table.num_rows, filtered_overlong=before - table.num_rows)
         attempt = store.open_attempt(prefix)
         attempt.write_parquet("part-00000.parquet", table)
-        attempt.commit(info={"source": spec, "rows": table.num_rows})
+        attempt.commit(info=info)
 
 
 def _commit_weights(attempt, path: str, key: str) -> None:
@@ -94,6 +116,6 @@ def prepare_critic(store: Store, config: Config) -> None:
 def prepare_run(store: Store, config: Config) -> None:
     if not store.exists(CONFIG_FILE):
         store.write_text(CONFIG_FILE, config.to_yaml())
-    prepare_data(store, config)
     prepare_policy(store, config)
     prepare_critic(store, config)
+    prepare_data(store, config)  # after the policy: filtering overlong prompts needs its tokenizer

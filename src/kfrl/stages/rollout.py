@@ -43,6 +43,12 @@ class GenBatch:
     epoch: int
 
 
+def require_backend(cfg) -> None:
+    if cfg.rollout.name != "hf":
+        raise RuntimeError(f"rollout.name={cfg.rollout.name}: this kfrl version generates with the HF backend only "
+                           "(the vLLM engine is not built yet); set rollout.name=hf")
+
+
 def first_data_batch(ctx: StageContext) -> int:
     """1-based index of the first data batch this iteration reads (the cursor after the previous rollout)."""
     if ctx.iteration == 1:
@@ -80,6 +86,7 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
 
     cfg = ctx.config
     n = cfg.rollout.n
+    require_backend(cfg)
     train = ctx.store.manifest("data/train")
     if train is None:
         raise RuntimeError(f"no committed training data at {ctx.store.url('data/train')}; `kfrl train` prepares it")
@@ -99,7 +106,7 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
                                      shuffle=cfg.data.shuffle)
         records = table.take(rows).to_pylist()
         prompts = [tokenize_prompt(tokenizer, prompt_messages(r, cfg.data.prompt_key, f"{source} row {int(i)}"),
-                                   cfg.data.max_prompt_length, f"{source} row {int(i)}")
+                                   cfg.data.max_prompt_length, f"{source} row {int(i)}", cfg.data.truncation)
                    for r, i in zip(records, rows)]
         generations = generate_responses(model, tokenizer, prompts, params,
                                          micro_batch_size=cfg.rollout.micro_batch_size,
@@ -118,7 +125,7 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
         if not dynamic:
             kept = [(gen, g) for g in range(len(gen.uids))]
             break
-        kept.extend((gen, g) for g in _filter(cfg, gen, tokenizer))
+        kept.extend((gen, g) for g in _filter(ctx, gen, tokenizer))
         if len(kept) >= cfg.data.train_batch_size:
             kept = kept[:cfg.data.train_batch_size]
             break
@@ -140,7 +147,7 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
             columns["uid"].append(uid)
             columns["iteration"].append(ctx.iteration)
             columns["policy_version"].append(ctx.iteration - 1)
-            columns["data_source"].append(str(record.get("data_source", "")))
+            columns["data_source"].append(str(record.get(cfg.data.reward_fn_key, "")))
             columns["prompt_ids"].append(prompt_ids)
             columns["response_ids"].append(generation.response_ids)
             columns["response_mask"].append([1] * len(generation.response_ids))
@@ -148,6 +155,7 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
             columns["finish_reason"].append(generation.finish_reason)
             columns["ground_truth"].append(ground_truth_of(record))
             columns["extra_info"].append(json.dumps(record.get("extra_info") or {}, default=str))
+            columns["raw_prompt"].append(json.dumps(prompt_messages(record, cfg.data.prompt_key, uid), default=str))
     batch.write_group(attempt, "rollout", batch.make_table("rollout", columns))
     attempt.info["data_batch_end"] = start + n_gen_batches - 1
 
@@ -171,18 +179,17 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
     return metrics
 
 
-def _filter(cfg, gen: GenBatch, tokenizer) -> list[int]:
+def _filter(ctx: StageContext, gen: GenBatch, tokenizer) -> list[int]:
     """DAPO's group filter over one generation batch: the prompt indices to keep."""
-    from kfrl.rewards.manager import score_responses
+    from kfrl.stages.score import score_rows
 
+    cfg = ctx.config
     n = cfg.rollout.n
-    responses = [g.response_ids for g in gen.generations]
     records = [r for r in gen.records for _ in range(n)]
-    scored = score_responses(
-        tokenizer.batch_decode(responses, skip_special_tokens=True),
-        [str(r.get("data_source", "")) for r in records], [ground_truth_of(r) for r in records],
-        [r.get("extra_info") for r in records], [len(x) for x in responses],
-        max_response_length=cfg.data.max_response_length, overlong_buffer=cfg.reward.overlong_buffer)
+    scored = score_rows(ctx, tokenizer, [g.response_ids for g in gen.generations],
+                        [str(r.get(cfg.data.reward_fn_key, "")) for r in records],
+                        [ground_truth_of(r) for r in records], [r.get("extra_info") for r in records],
+                        [json.dumps(prompt_messages(r, cfg.data.prompt_key, "row"), default=str) for r in records])
     return kept_groups(gen.uids, group_filter_values(cfg, scored), n)
 
 
@@ -191,7 +198,7 @@ def gen_max(ctx: StageContext, attempt) -> dict[str, float]:
     same reward; its score is the baseline of every sampled response to that prompt."""
     from kfrl import batch
     from kfrl.engines.rollout_hf import SamplingParams, generate_responses
-    from kfrl.rewards.manager import score_responses
+    from kfrl.stages.score import score_rows
 
     cfg = ctx.config
     table = ctx.read_groups("rollout")
@@ -213,10 +220,8 @@ def gen_max(ctx: StageContext, attempt) -> dict[str, float]:
     def column(name: str) -> list:
         return [table.column(name)[r].as_py() for r in rows]
 
-    scored = score_responses(tokenizer.batch_decode(responses, skip_special_tokens=True), column("data_source"),
-                             column("ground_truth"), column("extra_info"), [len(r) for r in responses],
-                             max_response_length=cfg.data.max_response_length,
-                             overlong_buffer=cfg.reward.overlong_buffer)
+    scored = score_rows(ctx, tokenizer, responses, column("data_source"), column("ground_truth"),
+                        column("extra_info"), column("raw_prompt"))
     baseline = {uid: s.score for uid, s in zip(first_of_group, scored)}
     batch.write_group(attempt, "gen_max", batch.make_table("gen_max", {
         "sample_id": table.column("sample_id").to_pylist(), "reward_baselines": [baseline[u] for u in uids]}))

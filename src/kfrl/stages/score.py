@@ -1,5 +1,9 @@
-"""Stage ``score``: rule rewards by data_source (kfrl.rewards), with DAPO's overlong shaping when
-configured; writes the score column group."""
+"""Stage ``score``: each trajectory's reward, written as the score column group.
+
+``score_rows`` is the one way kfrl turns responses into rewards (rule functions by data_source, a
+custom function, or a reward model; then DAPO's overlong shaping); the score stage, DAPO's
+dynamic-sampling filter, ReMax's greedy baseline and validation all call it.
+"""
 from __future__ import annotations
 
 import json
@@ -9,29 +13,47 @@ import numpy as np
 from kfrl.stages.context import StageContext
 
 
-def extra_metrics(extras: list[dict]) -> dict[str, float]:
+def extra_metrics(extras: list[dict], prefix: str = "reward_extra") -> dict[str, float]:
     """Means of the numeric extra keys a scorer returned (``reward_extra/<key>/mean``)."""
     sums: dict[str, list[float]] = {}
     for extra in extras:
         for key, value in extra.items():
             if isinstance(value, (bool, int, float)):
                 sums.setdefault(key, []).append(float(value))
-    return {f"reward_extra/{key}/mean": float(np.mean(values)) for key, values in sums.items()}
+    return {f"{prefix}/{key}/mean": float(np.mean(values)) for key, values in sums.items()}
+
+
+def score_rows(ctx: StageContext, tokenizer, response_ids: list[list[int]], data_sources: list[str],
+               ground_truths: list[str], extra_infos: list, raw_prompts: list[str]):
+    """ScoredResponse per response (see kfrl.rewards.manager)."""
+    from kfrl.rewards.manager import rule_reward_fn, score_responses
+
+    cfg = ctx.config
+    texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    model_scores = None
+    if cfg.reward.name == "model":
+        from kfrl.engines.reward_model import reward_model_scores
+
+        model, rm_tokenizer = ctx.load_reward_model()
+        conversations = [json.loads(p) + [{"role": "assistant", "content": t}] for p, t in zip(raw_prompts, texts)]
+        model_scores = reward_model_scores(model, rm_tokenizer, conversations,
+                                           micro_batch_size=cfg.reward.micro_batch_size,
+                                           autocast_dtype=ctx.compute_dtype)
+    return score_responses(
+        texts, data_sources, ground_truths, extra_infos, [len(r) for r in response_ids],
+        max_response_length=cfg.data.max_response_length, overlong_buffer=cfg.reward.overlong_buffer,
+        reward_fn=rule_reward_fn(cfg.reward.custom_function_path, cfg.reward.custom_function_name),
+        raw_prompts=raw_prompts if cfg.data.return_raw_chat else None, model_scores=model_scores)
 
 
 def score(ctx: StageContext, attempt) -> dict[str, float]:
     from kfrl import batch
-    from kfrl.rewards.manager import score_responses
 
-    cfg = ctx.config
     table = ctx.read_groups("rollout")
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(ctx.iteration - 1))
-    response_ids = table.column("response_ids").to_pylist()
-    scored = score_responses(
-        tokenizer.batch_decode(response_ids, skip_special_tokens=True), table.column("data_source").to_pylist(),
-        table.column("ground_truth").to_pylist(), table.column("extra_info").to_pylist(),
-        [len(r) for r in response_ids], max_response_length=cfg.data.max_response_length,
-        overlong_buffer=cfg.reward.overlong_buffer)
+    scored = score_rows(ctx, tokenizer, table.column("response_ids").to_pylist(),
+                        table.column("data_source").to_pylist(), table.column("ground_truth").to_pylist(),
+                        table.column("extra_info").to_pylist(), table.column("raw_prompt").to_pylist())
     batch.write_group(attempt, "score", batch.make_table("score", {
         "sample_id": table.column("sample_id").to_pylist(), "score": [s.score for s in scored],
         "acc": [s.acc for s in scored], "reward_extra": [json.dumps(s.extra, default=str) for s in scored]}))

@@ -1,0 +1,80 @@
+"""Stage ``validate`` (veRL's ``_validate``): the policy after iteration N answers every prompt of
+data.val_files with ``rollout.val_kwargs`` (greedy by default); rewards are averaged per data_source.
+
+Metrics follow veRL's names: ``val-core/<data_source>/reward/mean@<n>`` and, when the scorer
+reports correctness, ``val-core/<data_source>/acc/mean@<n>``; other numeric reward keys go to
+``val-aux``. Iteration 0 validates the initial policy (trainer.val_before_train).
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+
+from kfrl.stages.context import StageContext
+
+
+def validation_metrics(data_sources: list[str], scores: list[float], accs: list[float | None],
+                       extras: list[dict], response_lengths: list[int], n: int) -> dict[str, float]:
+    by_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for source, score, acc, extra, length in zip(data_sources, scores, accs, extras, response_lengths):
+        values = by_source[source]
+        values["reward"].append(score)
+        if acc is not None:
+            values["acc"].append(acc)
+        values["response_length"].append(float(length))
+        for key, value in extra.items():
+            if key != "acc" and isinstance(value, (bool, int, float)):
+                values[key].append(float(value))
+    metrics = {}
+    for source, values in by_source.items():
+        for name, vals in values.items():
+            group = "val-core" if name in ("reward", "acc") else "val-aux"
+            metrics[f"{group}/{source}/{name}/mean@{n}"] = float(np.mean(vals))
+    return metrics
+
+
+def validate(ctx: StageContext, attempt) -> dict[str, float]:
+    from kfrl import batch
+    from kfrl.data.dataset import ground_truth_of, prompt_messages, tokenize_prompt
+    from kfrl.engines.rollout_hf import SamplingParams, generate_responses
+    from kfrl.stages.rollout import read_dataset, require_backend
+    from kfrl.stages.score import score_rows
+
+    cfg = ctx.config
+    require_backend(cfg)
+    val = ctx.store.manifest("data/val")
+    if val is None:
+        raise RuntimeError(f"no committed validation data at {ctx.store.url('data/val')}; set data.val_files")
+    source = ctx.store.url("data/val")
+    records = read_dataset(ctx.store, val).to_pylist()
+    policy = ctx.policy_manifest(ctx.iteration)
+    tokenizer = ctx.load_tokenizer(policy)
+    model = ctx.load_model(policy)
+    messages = [prompt_messages(r, cfg.data.prompt_key, f"{source} row {i}") for i, r in enumerate(records)]
+    prompts = [tokenize_prompt(tokenizer, m, cfg.data.max_prompt_length, f"{source} row {i}", cfg.data.truncation)
+               for i, m in enumerate(messages)]
+    kw = cfg.rollout.val_kwargs
+    greedy = not kw.do_sample or kw.temperature == 0
+    params = SamplingParams(n=kw.n, temperature=kw.temperature if not greedy else 1.0, top_p=kw.top_p,
+                            top_k=kw.top_k, max_new_tokens=cfg.data.max_response_length, do_sample=not greedy,
+                            cache_implementation=cfg.rollout.hf_cache)
+    generations = generate_responses(model, tokenizer, prompts, params,
+                                     micro_batch_size=cfg.data.val_batch_size or cfg.rollout.micro_batch_size,
+                                     seed=cfg.trainer.seed * 1_000_003 + 104_729,
+                                     logprob_micro_batch_size=cfg.rollout.log_prob_micro_batch_size_per_gpu)
+    expanded = [i for i in range(len(records)) for _ in range(kw.n)]
+    data_sources = [str(records[i].get(cfg.data.reward_fn_key, "")) for i in expanded]
+    truths = [ground_truth_of(records[i]) for i in expanded]
+    responses = [g.response_ids for g in generations]
+    scored = score_rows(ctx, tokenizer, responses, data_sources, truths,
+                        [records[i].get("extra_info") for i in expanded],
+                        [json.dumps(messages[i], default=str) for i in expanded])
+    batch.write_group(attempt, "validate", batch.make_table("validate", {
+        "sample_id": [f"val-{i}-s{k}" for i in range(len(records)) for k in range(kw.n)],
+        "data_source": data_sources, "prompt_ids": [prompts[i] for i in expanded], "response_ids": responses,
+        "ground_truth": truths, "score": [s.score for s in scored], "acc": [s.acc for s in scored],
+        "reward_extra": [json.dumps(s.extra, default=str) for s in scored]}))
+    return validation_metrics(data_sources, [s.score for s in scored], [s.acc for s in scored],
+                              [s.extra for s in scored], [len(r) for r in responses], kw.n)
