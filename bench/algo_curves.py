@@ -7,12 +7,14 @@
 Trains ``configs/demo.yaml`` (tiny Qwen2-shaped model, 2-digit additions, 32 prompts x 8 samples
 per iteration) once per algorithm and seed, with the inline runner (no KFP), in this process. All
 runs share the budget: same prompts, samples per prompt, iterations, seed and actor settings. Only
-``algorithm.adv_estimator`` differs, plus the critic's settings for PPO (its default lr, 1e-5, is
-far too small for a 0.3M-parameter model; see ``--critic-lr``). Extra ``key=value`` arguments are
-passed to every run and win over the script's own overrides.
+``algorithm.adv_estimator`` differs, plus the critic's settings for PPO: ``--critic-lr`` (default
+1e-3, picked from short runs at 1e-4, 1e-3 and 1e-2; docs/performance.md) and micro-batch 128 like
+the actor. Extra ``key=value`` arguments are passed to every run and win over the script's own
+overrides.
 
 Measures, per iteration: ``critic/score/mean`` (mean reward of the iteration's samples, before
-that iteration's update), ``critic/acc/mean`` and ``timing_s/step``; per run: the wall time.
+that iteration's update), ``critic/acc/mean``, ``timing_s/step`` and, for PPO, the critic's
+``vf_loss`` and ``vf_explained_var``; per run: the wall time and the median step.
 Writes ``<out>/curves.json`` and ``<out>/curves.png`` (score vs iteration, one line per algorithm)
 and prints a JSON summary to stdout; progress goes to stderr. The runs' stores and MLflow
 databases go to ``--work-dir`` if given (kept), else to a temporary directory deleted at the end;
@@ -195,7 +197,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "algo_curves")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="keep the runs' stores and MLflow databases here (default: a temp dir, "
-                             "deleted at the end; ~300 MB per 20-iteration run)")
+                             "deleted at the end; ~300 MB for the three default runs)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="extra overrides for every run")
     args = parser.parse_args()
     args.algos = [a.strip() for a in args.algos.split(",") if a.strip()]

@@ -1,6 +1,6 @@
 """One GRPO iteration of a Qwen2.5-0.5B-shaped model (random init) on one GPU, stage by stage.
 
-    python bench/gpu_iteration.py --out results.json [--iterations 2]
+    python bench/gpu_iteration.py --out results.json [--iterations 2] [key=value ...]
 
 Runs the same stage functions the pipeline runs (inline, local store), with the issue's shape:
 64 prompts x 4 samples, 256 new tokens, KL loss on (so the reference pass runs), 4 mini-batches (so
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--response-length", type=int, default=256)
     parser.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. algorithm.adv_estimator=gae")
     args = parser.parse_args()
 
     import torch
@@ -76,7 +77,7 @@ def main() -> None:
         f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}", f"data.max_response_length={args.response_length}",
         "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=16", "actor.use_kl_loss=true",
         "rollout.log_prob_micro_batch_size_per_gpu=64", "actor.lr=1e-6", f"trainer.total_iterations={args.iterations}",
-        f"rollout.hf_cache={args.hf_cache}",
+        f"rollout.hf_cache={args.hf_cache}", *args.overrides,
     ]
     cfg = load_config(None, overrides)
     run = Store(str(work / "store" / "bench"))

@@ -14,7 +14,8 @@ from kfrl.runners import ClusterKfpRunner, IterationFailed
 
 def test_committed_yaml_is_up_to_date(tmp_path):
     written = compile_pipelines(tmp_path)
-    assert {p.name for p in written} == {"rl_iteration.yaml", "rl_iteration_fused.yaml", "rl_iteration_single.yaml"}
+    assert {p.name for p in written} == {"rl_iteration.yaml", "rl_iteration_fused.yaml", "rl_iteration_single.yaml",
+                                            "rl_validate.yaml"}
     for fresh in written:
         assert compiled_path(fresh.stem).read_text() == fresh.read_text(), \
             f"pipelines/compiled/{fresh.name} is stale: run `kfrl compile`"
@@ -41,7 +42,8 @@ def test_dag_shape_parallel_branches_and_retries():
         assert deps[branch] == {"rollout-op"}, branch
     assert deps["advantage-op"] == branches
     assert deps["update-actor-op"] == {"advantage-op"} and deps["update-critic-op"] == {"advantage-op"}
-    assert set(tasks) == branches | {"rollout-op", "advantage-op", "update-actor-op", "update-critic-op"}
+    assert deps["validate-op"] == {"update-actor-op"}  # validates the new policy
+    assert set(tasks) == branches | {"rollout-op", "advantage-op", "update-actor-op", "update-critic-op", "validate-op"}
     for task in tasks.values():
         assert task["retryPolicy"]["maxRetryCount"] == 2
     assert set(spec["root"]["inputDefinitions"]["parameters"]) == {"run_uri", "iteration"}

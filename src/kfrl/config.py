@@ -44,7 +44,7 @@ class DataConfig(Section):
     prompt_key: str = "prompt"
     # The column that picks the reward function (veRL's data.reward_fn_key).
     reward_fn_key: str = "data_source"
-    # Prompts per validation generation call; null = all at once.
+    # Prompts per validation generation call; null = rollout.micro_batch_size (0 = all at once).
     val_batch_size: Optional[int] = Field(None, ge=1)
     shuffle: bool = True
     seed: int = 1
@@ -228,8 +228,8 @@ class PipelineConfig(Section):
     # kfp: submit to a KFP cluster with kfp.Client.
     runner: Literal["local", "inline", "kfp"] = "local"
     # How stages map to KFP tasks. "none": one task per stage (every stage visible and separately
-    # scalable). "weights": two tasks, infer (rollout, score, old/ref log-probs) and train
-    # (advantage, update). "all": one task per iteration. Each task is a new process that pays
+    # scalable). "weights": two tasks, infer (rollout, gen_max, score, old/ref log-probs, values)
+    # and train (advantage, critic and actor updates, validation). "all": one task per iteration. Each task is a new process that pays
     # ~4.5 s of torch/transformers imports on 2 CPU cores, so fusing matters on the local runner.
     fuse: Literal["none", "weights", "all"] = "none"
     host: str = ""
@@ -360,14 +360,20 @@ def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
 
 def nearest_key(key: str, candidates: list[str] | None = None) -> str | None:
     candidates = candidates if candidates is not None else valid_keys()
-    # Compare the full dotted key, then the last part alone (catches a right name in a wrong section).
-    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    if match:
-        return match[0]
     leaf = key.rsplit(".", 1)[-1]
     by_leaf: dict[str, str] = {}
     for candidate in candidates:  # the first section that has the leaf wins (actor.lr before critic.lr)
         by_leaf.setdefault(candidate.rsplit(".", 1)[-1], candidate)
+    # A typo in the full dotted key (critik.lr), then a right name in a wrong section
+    # (trainer.ppo_epochs), then looser matches of the full key and of the last part alone.
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.86)
+    if match:
+        return match[0]
+    if "." in key and leaf in by_leaf:
+        return by_leaf[leaf]
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if match:
+        return match[0]
     match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
     return by_leaf[match[0]] if match else None
 

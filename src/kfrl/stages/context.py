@@ -39,8 +39,8 @@ def cache_root() -> Path:
 
 
 # Inference models and tokenizers loaded in this process, keyed by local checkpoint dir and dtype:
-# fused stages (and the inline runner) load each set of weights once. Two entries cover the
-# policy, the reference model, the critic and a reward model; training copies are never cached (updates mutate them).
+# fused stages (and the inline runner) load each set of weights once. Four entries cover the policy,
+# the reference model, the critic and a reward model; training copies are never cached (updates mutate them).
 _MODEL_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _TOKENIZER_CACHE: dict[str, object] = {}
 MODEL_CACHE_SIZE = 4
