@@ -1,6 +1,11 @@
 """One GRPO iteration of a Qwen2.5-0.5B-shaped model (random init) on one GPU, stage by stage.
 
     python bench/gpu_iteration.py --out results.json [--iterations 2] [key=value ...]
+    python bench/gpu_iteration.py --config configs/gsm8k_grpo_qwen05b.yaml [key=value ...]
+
+With ``--config`` a ready config runs as written except for the model (the random 0.5B shape),
+the data (256 synthetic GSM8K-format rows: the same schema, prompt and reward as `kfrl data
+gsm8k` writes) and the store: a smoke run of the GSM8K configs where no hub is reachable.
 
 Runs the same stage functions the pipeline runs (inline, local store), with the issue's shape:
 64 prompts x 4 samples, 256 new tokens, KL loss on (so the reference pass runs), 4 mini-batches (so
@@ -49,6 +54,29 @@ def build_model_dir(out: Path) -> Path:
     return out
 
 
+def write_gsm8k_shaped(out: Path, rows: int = 256) -> dict[str, Path]:
+    """GSM8K-format Parquet files (kfrl.data.gsm8k's row builder) from synthetic sums."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kfrl.data.gsm8k import make_row
+
+    rng = random.Random(0)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, count in (("train", rows), ("test", rows // 4)):
+        table = []
+        for i in range(count):
+            a, b = rng.randint(10, 999), rng.randint(10, 999)
+            table.append(make_row(f"A shop sells {a} apples and {b} pears. How many fruits?",
+                                  f"{a} + {b} = {a + b}\n#### {a + b}", split, i))
+        paths[split] = out / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(table), paths[split])
+    return paths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
@@ -57,6 +85,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--response-length", type=int, default=256)
     parser.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic")
+    parser.add_argument("--config", type=Path, default=None, help="a ready config to run instead of the issue shape")
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. algorithm.adv_estimator=gae")
     args = parser.parse_args()
 
@@ -72,20 +101,28 @@ def main() -> None:
     t0 = time.perf_counter()
     model_dir = build_model_dir(work / "model")
     build_s = time.perf_counter() - t0
-    overrides = [
-        f"model.path={model_dir}", f"store.uri={work / 'store'}", "pipeline.runner=inline",
-        f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}", f"data.max_response_length={args.response_length}",
-        "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=16", "actor.use_kl_loss=true",
-        "rollout.log_prob_micro_batch_size_per_gpu=64", "actor.lr=1e-6", f"trainer.total_iterations={args.iterations}",
-        f"rollout.hf_cache={args.hf_cache}", *args.overrides,
-    ]
-    cfg = load_config(None, overrides)
+    if args.config is not None:
+        data = write_gsm8k_shaped(work / "data")
+        overrides = [f"model.path={model_dir}", f"store.uri={work / 'store'}", "pipeline.runner=inline",
+                     f"data.train_files={data['train']}", f"data.val_files={data['test']}",
+                     f"trainer.total_iterations={args.iterations}", *args.overrides]
+    else:
+        overrides = [
+            f"model.path={model_dir}", f"store.uri={work / 'store'}", "pipeline.runner=inline",
+            f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}",
+            f"data.max_response_length={args.response_length}", "actor.ppo_mini_batch_size=16",
+            "actor.ppo_micro_batch_size_per_gpu=16", "actor.use_kl_loss=true",
+            "rollout.log_prob_micro_batch_size_per_gpu=64", "actor.lr=1e-6",
+            f"trainer.total_iterations={args.iterations}", f"rollout.hf_cache={args.hf_cache}", *args.overrides,
+        ]
+    cfg = load_config(args.config, overrides)
     run = Store(str(work / "store" / "bench"))
     t0 = time.perf_counter()
     prepare_run(run, cfg)
     prepare_s = time.perf_counter() - t0
 
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": "Qwen2.5-0.5B shape, random init",
+               "config": str(args.config) if args.config else None,
                "params": None, "build_model_s": build_s, "prepare_s": prepare_s, "overrides": overrides, "iterations": []}
     for iteration in range(1, args.iterations + 1):
         stages = {}
@@ -100,7 +137,13 @@ def main() -> None:
                              "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                              "skipped": result.skipped or None}
             stages[stage].update({k: round(v, 4) for k, v in result.metrics.items()
-                                  if k.startswith(("timing_s/", "response_length/mean", "perf/", "actor/grad_norm"))})
+                                  if k.startswith(("timing_s/", "response_length/mean", "perf/", "actor/grad_norm",
+                                                   "critic/score/mean", "val-core/"))})
+            if stage == "rollout":
+                from kfrl.stages.context import StageContext
+
+                stages[stage]["backend"] = StageContext.open(run.uri, iteration).manifest("rollout").info.get(
+                    "rollout_backend")
         total = time.perf_counter() - it_start
         gen = stages["rollout"]
         results["iterations"].append({

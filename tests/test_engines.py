@@ -8,7 +8,8 @@ from kfrl.config import ActorConfig
 from kfrl.data.synthetic import make_arith_rows
 from kfrl.engines.actor import UpdateBatch, update_actor
 from kfrl.engines.inference import compute_logprobs
-from kfrl.engines.rollout_hf import SamplingParams, generate_responses, truncate_at_eos
+from kfrl.engines.rollout import SamplingParams, truncate_at_eos
+from kfrl.engines.rollout_hf import HFRollout
 from kfrl.models.tiny import arith_corpus, build_tiny_model, build_tokenizer
 
 
@@ -33,7 +34,7 @@ def test_truncate_at_eos_includes_first_eos():
 def test_rollout_shapes_order_and_logprobs_match_recompute(tiny):
     model, tokenizer, prompts = tiny
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=12)
-    gens = generate_responses(model, tokenizer, prompts, params, seed=123)
+    gens = HFRollout(model, tokenizer).generate_responses(prompts, params, seed=123)
     assert len(gens) == len(prompts) * 3
     eos = tokenizer.eos_token_id
     for g in gens:
@@ -51,7 +52,7 @@ def test_rollout_shapes_order_and_logprobs_match_recompute(tiny):
         assert torch.allclose(torch.tensor(lp), torch.tensor(g.rollout_logprobs), atol=1e-4)
         assert all(e >= 0 for e in ent)
     # Same seed → same samples (a retried rollout reproduces its batch).
-    again = generate_responses(model, tokenizer, prompts, params, seed=123)
+    again = HFRollout(model, tokenizer).generate_responses(prompts, params, seed=123)
     assert [g.response_ids for g in again] == responses
 
 

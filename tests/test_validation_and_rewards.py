@@ -154,8 +154,11 @@ def test_reward_model_scores_are_batched_and_equal_a_direct_forward(tmp_path, ti
     assert len(set(table.column("score").to_pylist())) > 1
 
 
-def test_vllm_backend_is_named_when_it_cannot_run(tmp_path):
-    from kfrl.stages.rollout import require_backend
+def test_vllm_backend_is_named_when_it_cannot_run(tmp_path, monkeypatch):
+    import sys
 
-    with pytest.raises(RuntimeError, match="rollout.name=vllm.*set rollout.name=hf"):
-        require_backend(load_config(None, ["rollout.name=vllm"]))
+    from kfrl.engines.rollout_vllm import VllmRollout
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as on a machine without the gpu extra
+    with pytest.raises(RuntimeError, match=r"rollout.name=vllm needs the vllm package.*rollout.name=torch or hf"):
+        VllmRollout(tmp_path, {2})

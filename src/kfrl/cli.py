@@ -89,10 +89,9 @@ def dry_run_report(cfg) -> tuple[str, list[str]]:
         for part in _local_parts(spec):
             if not part.is_file():
                 warnings.append(f"{key}: {part} does not exist (prepare GSM8K with `kfrl data gsm8k`)")
-    if cfg.rollout.name == "vllm":
-        found = importlib.util.find_spec("vllm") is not None
-        warnings.append("rollout.name=vllm: this kfrl version generates with the HF backend only; set rollout.name=hf"
-                        + ("" if found else " (and the vllm package is not installed)"))
+    if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        warnings.append("rollout.name=vllm: the vllm package is not installed here (pip install 'kfrl[gpu]', or "
+                        "the kfrl GPU image); rollout.name=torch or auto run without it")
     return "\n".join(lines), warnings
 
 

@@ -70,19 +70,24 @@ class ValKwargsConfig(Section):
 
 
 class RolloutConfig(Section):
-    # Rollout backend. "hf": transformers generate. "vllm" is accepted so veRL command lines resolve
-    # and dry-run, but the vLLM engine is not built yet: a run with it stops at the rollout stage.
-    name: Literal["hf", "vllm"] = "hf"
+    # Rollout backend (kfrl.engines.rollout). "auto": "torch" on a GPU when it supports the model
+    # (Qwen2/2.5/3, Llama), else "hf". "torch": kfrl's graph-captured batched decoder. "hf":
+    # transformers generate, the reference. "vllm": vllm.LLM (the GPU image; pip install kfrl[gpu]).
+    name: Literal["auto", "hf", "torch", "vllm"] = "auto"
     n: int = Field(4, ge=1, description="responses per prompt")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
-    # Prompts per generate() call; 0 = all at once.
+    # Prompts per generation call; 0 = all at once. Bounds the KV cache of the torch backend.
     micro_batch_size: int = Field(0, ge=0)
     log_prob_micro_batch_size_per_gpu: int = Field(64, ge=1)
     # HF backend KV cache: "static" pre-allocates it and lets transformers compile the decode
     # step (faster on GPU after a one-off compile; no gain on CPU).
     hf_cache: Literal["dynamic", "static"] = "dynamic"
+    # torch and vllm backends: no CUDA graphs (slower; for debugging).
+    enforce_eager: bool = False
+    # vllm backend: share of GPU memory vLLM may take (weights + KV cache), as in veRL.
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     val_kwargs: ValKwargsConfig = ValKwargsConfig()
 
 

@@ -42,6 +42,8 @@ VERL_KEYS: dict[str, str] = {
     f"{AR}.rollout.top_p": "rollout.top_p",
     f"{AR}.rollout.top_k": "rollout.top_k",
     f"{AR}.rollout.log_prob_micro_batch_size_per_gpu": "rollout.log_prob_micro_batch_size_per_gpu",
+    f"{AR}.rollout.enforce_eager": "rollout.enforce_eager",
+    f"{AR}.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
     f"{AR}.rollout.log_prob_micro_batch_size": "rollout.log_prob_micro_batch_size_per_gpu",
     f"{AR}.rollout.val_kwargs.do_sample": "rollout.val_kwargs.do_sample",
     f"{AR}.rollout.val_kwargs.temperature": "rollout.val_kwargs.temperature",
@@ -76,7 +78,7 @@ VALUE_MAPS: dict[str, Callable[[Any], Any]] = {
 
 # veRL keys (or key prefixes, ending in ".") accepted but without effect in kfrl, and why.
 _PARALLEL = "kfrl's update runs on one device per stage; multi-GPU training is not built yet"
-_VLLM = "a vLLM engine setting; the HF rollout backend has no equivalent"
+_VLLM = "a vLLM engine setting kfrl does not pass on"
 _MEMORY = "a memory/throughput knob of veRL's FSDP workers; kfrl has no equivalent"
 _UNUSED_MODEL = "a model-loading option of veRL's workers that kfrl does not use"
 _FIXED_LR = "kfrl's optimizers are AdamW with a constant learning rate (no warm-up or schedule)"
@@ -119,9 +121,7 @@ IGNORED: dict[str, str] = {
     f"{AR}.actor.loss_scale_factor": "seq-mean-token-sum-norm divides by the padded response length, veRL's default",
     f"{AR}.actor.policy_loss.": "only policy_loss.loss_mode is implemented",
     f"{AR}.rollout.tensor_model_parallel_size": _VLLM,
-    f"{AR}.rollout.gpu_memory_utilization": _VLLM,
     f"{AR}.rollout.free_cache_engine": _VLLM,
-    f"{AR}.rollout.enforce_eager": _VLLM,
     f"{AR}.rollout.load_format": _VLLM,
     f"{AR}.rollout.dtype": _VLLM,
     f"{AR}.rollout.max_num_batched_tokens": _VLLM,

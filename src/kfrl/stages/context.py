@@ -39,11 +39,12 @@ def cache_root() -> Path:
 
 
 # Inference models and tokenizers loaded in this process, keyed by local checkpoint dir and dtype:
-# fused stages (and the inline runner) load each set of weights once. Four entries cover the policy,
-# the reference model, the critic and a reward model; training copies are never cached (updates mutate them).
+# fused stages (and the inline runner) load each set of weights once. Five entries cover the policy,
+# its rollout decoder, the reference model, the critic and a reward model; training copies are never
+# cached (updates mutate them).
 _MODEL_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _TOKENIZER_CACHE: dict[str, object] = {}
-MODEL_CACHE_SIZE = 4
+MODEL_CACHE_SIZE = 5
 
 
 @dataclass
@@ -167,6 +168,39 @@ class StageContext:
             return load_causal_lm(local, dtype=torch.float32, device=self.device)
         return _cached(("policy", str(local), str(self.compute_dtype), self.device),
                        lambda: load_causal_lm(local, dtype=self.compute_dtype, device=self.device).eval())
+
+    def rollout_engine(self, manifest: Manifest, *, micro_batch_size: int | None = None):
+        """The configured rollout backend (``kfrl.engines.rollout``) holding ``manifest``'s weights;
+        ``engine.name`` says which backend ``rollout.name`` resolved to."""
+        from kfrl.engines.rollout import checkpoint_eos_ids, pad_token_id, resolve_backend
+
+        cfg = self.config.rollout
+        local = self.checkpoint_dir(manifest)
+        backend, _ = resolve_backend(cfg.name, self.device, local)
+        tokenizer = self.load_tokenizer(manifest)
+        micro = cfg.micro_batch_size if micro_batch_size is None else micro_batch_size
+        if backend == "hf":
+            from kfrl.engines.rollout_hf import HFRollout
+
+            return HFRollout(self.load_model(manifest), tokenizer, micro_batch_size=micro,
+                             logprob_micro_batch_size=cfg.log_prob_micro_batch_size_per_gpu,
+                             cache_implementation=cfg.hf_cache)
+        eos = checkpoint_eos_ids(local, tokenizer)
+        if backend == "vllm":
+            from kfrl.engines.rollout_vllm import vllm_engine
+
+            data = self.config.data
+            return vllm_engine(local, eos, dtype="bfloat16" if self.device == "cuda" else "float32",
+                               gpu_memory_utilization=cfg.gpu_memory_utilization, seed=self.config.trainer.seed,
+                               max_model_len=data.max_prompt_length + data.max_response_length,
+                               enforce_eager=cfg.enforce_eager)
+        from kfrl.engines.decoder import Decoder
+        from kfrl.engines.rollout_torch import TorchRollout
+
+        decoder = _cached(("decoder", str(local), str(self.compute_dtype), self.device),
+                          lambda: Decoder.from_pretrained(local, device=self.device, dtype=self.compute_dtype))
+        return TorchRollout(decoder, eos, pad_token_id(tokenizer, eos), micro_batch_size=micro,
+                            use_cuda_graphs=not cfg.enforce_eager)
 
     def load_critic(self, manifest: Manifest, *, for_training: bool = False):
         """The value model (see ``load_causal_lm`` for dtypes); a new value head is seeded by trainer.seed."""

@@ -43,12 +43,6 @@ class GenBatch:
     epoch: int
 
 
-def require_backend(cfg) -> None:
-    if cfg.rollout.name != "hf":
-        raise RuntimeError(f"rollout.name={cfg.rollout.name}: this kfrl version generates with the HF backend only "
-                           "(the vLLM engine is not built yet); set rollout.name=hf")
-
-
 def first_data_batch(ctx: StageContext) -> int:
     """1-based index of the first data batch this iteration reads (the cursor after the previous rollout)."""
     if ctx.iteration == 1:
@@ -82,11 +76,10 @@ def kept_groups(uids: list[str], values: np.ndarray, n: int) -> list[int]:
 
 def rollout(ctx: StageContext, attempt) -> dict[str, float]:
     from kfrl import batch
-    from kfrl.engines.rollout_hf import SamplingParams, generate_responses
+    from kfrl.engines.rollout import SamplingParams
 
     cfg = ctx.config
     n = cfg.rollout.n
-    require_backend(cfg)
     train = ctx.store.manifest("data/train")
     if train is None:
         raise RuntimeError(f"no committed training data at {ctx.store.url('data/train')}; `kfrl train` prepares it")
@@ -94,10 +87,9 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
     table = read_dataset(ctx.store, train)
     policy = ctx.policy_manifest(ctx.iteration - 1)
     tokenizer = ctx.load_tokenizer(policy)
-    model = ctx.load_model(policy)
+    engine = ctx.rollout_engine(policy)
     params = SamplingParams(n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.data.max_response_length,
-                            cache_implementation=cfg.rollout.hf_cache)
+                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.data.max_response_length)
     dynamic = cfg.algorithm.filter_groups.enable
     batch_size = cfg.gen_batch_size if dynamic else cfg.data.train_batch_size
 
@@ -108,10 +100,8 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
         prompts = [tokenize_prompt(tokenizer, prompt_messages(r, cfg.data.prompt_key, f"{source} row {int(i)}"),
                                    cfg.data.max_prompt_length, f"{source} row {int(i)}", cfg.data.truncation)
                    for r, i in zip(records, rows)]
-        generations = generate_responses(model, tokenizer, prompts, params,
-                                         micro_batch_size=cfg.rollout.micro_batch_size,
-                                         seed=cfg.trainer.seed * 1_000_003 + ctx.iteration + 7_919 * k,
-                                         logprob_micro_batch_size=cfg.rollout.log_prob_micro_batch_size_per_gpu)
+        generations = engine.generate_responses(prompts, params,
+                                                seed=cfg.trainer.seed * 1_000_003 + ctx.iteration + 7_919 * k)
         # The prompt group id; extra generation batches get their own so groups never merge.
         tag = f"it{ctx.iteration:06d}" + (f"-g{k}" if k else "")
         return GenBatch([f"{tag}-row{int(i)}" for i in rows], records, prompts, generations, epoch)
@@ -158,6 +148,7 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
             columns["raw_prompt"].append(json.dumps(prompt_messages(record, cfg.data.prompt_key, uid), default=str))
     batch.write_group(attempt, "rollout", batch.make_table("rollout", columns))
     attempt.info["data_batch_end"] = start + n_gen_batches - 1
+    attempt.info["rollout_backend"] = engine.name
 
     response_lengths = np.array([len(r) for r in columns["response_ids"]], dtype=np.float64)
     prompt_lengths = np.array([len(gen.prompts[g]) for gen, g in kept], dtype=np.float64)
@@ -197,7 +188,7 @@ def gen_max(ctx: StageContext, attempt) -> dict[str, float]:
     """Stage ``gen_max`` (ReMax): a greedy response to each prompt of the rollout, scored with the
     same reward; its score is the baseline of every sampled response to that prompt."""
     from kfrl import batch
-    from kfrl.engines.rollout_hf import SamplingParams, generate_responses
+    from kfrl.engines.rollout import SamplingParams
     from kfrl.stages.score import score_rows
 
     cfg = ctx.config
@@ -209,12 +200,9 @@ def gen_max(ctx: StageContext, attempt) -> dict[str, float]:
     rows = list(first_of_group.values())
     policy = ctx.policy_manifest(ctx.iteration - 1)
     tokenizer = ctx.load_tokenizer(policy)
-    model = ctx.load_model(policy)
     prompts = [table.column("prompt_ids")[r].as_py() for r in rows]
-    params = SamplingParams(n=1, do_sample=False, max_new_tokens=cfg.data.max_response_length,
-                            cache_implementation=cfg.rollout.hf_cache)
-    greedy = generate_responses(model, tokenizer, prompts, params, micro_batch_size=cfg.rollout.micro_batch_size,
-                                logprob_micro_batch_size=cfg.rollout.log_prob_micro_batch_size_per_gpu)
+    params = SamplingParams(n=1, do_sample=False, max_new_tokens=cfg.data.max_response_length)
+    greedy = ctx.rollout_engine(policy).generate_responses(prompts, params)
     responses = [g.response_ids for g in greedy]
 
     def column(name: str) -> list:

@@ -38,12 +38,11 @@ def validation_metrics(data_sources: list[str], scores: list[float], accs: list[
 def validate(ctx: StageContext, attempt) -> dict[str, float]:
     from kfrl import batch
     from kfrl.data.dataset import ground_truth_of, prompt_messages, tokenize_prompt
-    from kfrl.engines.rollout_hf import SamplingParams, generate_responses
-    from kfrl.stages.rollout import read_dataset, require_backend
+    from kfrl.engines.rollout import SamplingParams
+    from kfrl.stages.rollout import read_dataset
     from kfrl.stages.score import score_rows
 
     cfg = ctx.config
-    require_backend(cfg)
     val = ctx.store.manifest("data/val")
     if val is None:
         raise RuntimeError(f"no committed validation data at {ctx.store.url('data/val')}; set data.val_files")
@@ -51,19 +50,15 @@ def validate(ctx: StageContext, attempt) -> dict[str, float]:
     records = read_dataset(ctx.store, val).to_pylist()
     policy = ctx.policy_manifest(ctx.iteration)
     tokenizer = ctx.load_tokenizer(policy)
-    model = ctx.load_model(policy)
     messages = [prompt_messages(r, cfg.data.prompt_key, f"{source} row {i}") for i, r in enumerate(records)]
     prompts = [tokenize_prompt(tokenizer, m, cfg.data.max_prompt_length, f"{source} row {i}", cfg.data.truncation)
                for i, m in enumerate(messages)]
     kw = cfg.rollout.val_kwargs
     greedy = not kw.do_sample or kw.temperature == 0
     params = SamplingParams(n=kw.n, temperature=kw.temperature if not greedy else 1.0, top_p=kw.top_p,
-                            top_k=kw.top_k, max_new_tokens=cfg.data.max_response_length, do_sample=not greedy,
-                            cache_implementation=cfg.rollout.hf_cache)
-    generations = generate_responses(model, tokenizer, prompts, params,
-                                     micro_batch_size=cfg.data.val_batch_size or cfg.rollout.micro_batch_size,
-                                     seed=cfg.trainer.seed * 1_000_003 + 104_729,
-                                     logprob_micro_batch_size=cfg.rollout.log_prob_micro_batch_size_per_gpu)
+                            top_k=kw.top_k, max_new_tokens=cfg.data.max_response_length, do_sample=not greedy)
+    engine = ctx.rollout_engine(policy, micro_batch_size=cfg.data.val_batch_size or cfg.rollout.micro_batch_size)
+    generations = engine.generate_responses(prompts, params, seed=cfg.trainer.seed * 1_000_003 + 104_729)
     expanded = [i for i in range(len(records)) for _ in range(kw.n)]
     data_sources = [str(records[i].get(cfg.data.reward_fn_key, "")) for i in expanded]
     truths = [ground_truth_of(records[i]) for i in expanded]

@@ -1,0 +1,291 @@
+"""A decoder-only transformer of the Qwen2 / Qwen2.5 / Qwen3 / Llama families in plain PyTorch, read
+straight from an HF checkpoint: the model behind the ``torch`` rollout backend.
+
+What differs from the HF modules is only what makes decoding cheap: q/k/v and gate/up projections
+fused into one matrix each (two GEMMs per block instead of five), rotary tables precomputed once,
+and a decode step that attends over a preallocated KV cache. Which optional tensors a checkpoint
+carries (q/k/v bias in Qwen2, q/k norms in Qwen3, attention bias in some Llamas) is read from the
+checkpoint itself, so no per-family flag can disagree with the weights.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kfrl.engines import kernels
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+# Rotary variants whose frequencies do not depend on the sequence length (so one table serves a call).
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not something the torch decoder implements; the HF backend can still run it."""
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    architecture: str
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+def _unsupported(what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"{what}; the torch rollout backend runs {', '.join(SUPPORTED_ARCHITECTURES)} "
+                                 "checkpoints with full attention and SiLU MLPs: use rollout.name=hf for this model")
+
+
+def spec_from_config(config) -> DecoderSpec:
+    """Checks an HF config (``transformers.PretrainedConfig``) and reads the shapes the decoder needs."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    architecture = architectures[0] if architectures else f"model_type={getattr(config, 'model_type', '?')}"
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise _unsupported(f"architecture {architecture} is not supported")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise _unsupported(f"hidden_act={config.hidden_act} is not supported")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if getattr(config, "use_sliding_window", False) or layer_types != {"full_attention"}:
+        raise _unsupported("sliding-window attention is not supported")
+    if getattr(config, "mlp_bias", False):
+        raise _unsupported("MLP biases (mlp_bias=true) are not supported")
+    heads = config.num_attention_heads
+    return DecoderSpec(
+        architecture=architecture, hidden_size=config.hidden_size, n_layers=config.num_hidden_layers,
+        n_heads=heads, n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (head_dim/2,) float32, attention scaling), computed as transformers does."""
+    params = getattr(config, "rope_parameters", None)
+    if not params:  # transformers 4.x keeps them as two attributes
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise _unsupported(f"rotary embedding type {rope_type!r} is not supported")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+@dataclass
+class Block:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor            # (q_size + 2 kv_size, hidden)
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None         # (head_dim,) Qwen3
+    k_norm: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor        # (2 intermediate, hidden)
+    down_weight: torch.Tensor
+
+
+class Decoder:
+    """Weights and forward passes. ``prefill`` runs whole left-padded prompts; ``decode`` runs one
+    token per sequence against a KV cache of shape (layers, 2, batch, kv_heads, columns, head_dim)."""
+
+    def __init__(self, spec: DecoderSpec, embed: torch.Tensor, blocks: list[Block], norm: torch.Tensor,
+                 lm_head: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float):
+        self.spec = spec
+        self.embed = embed
+        self.blocks = blocks
+        self.norm = norm
+        self.lm_head = lm_head
+        self.inv_freq = inv_freq
+        self.attention_scaling = attention_scaling
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    # --- loading ----------------------------------------------------------------------------------
+    @classmethod
+    def from_tensors(cls, config, get: Callable[[str], torch.Tensor | None], *, device, dtype) -> "Decoder":
+        """Builds the decoder from HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...);
+        ``get`` returns a tensor or None when the checkpoint has no such tensor."""
+        spec = spec_from_config(config)
+
+        def tensor(name: str, required: bool = True) -> torch.Tensor | None:
+            value = get(name)
+            if value is None:
+                if required:
+                    raise _unsupported(f"the checkpoint has no tensor {name!r}")
+                return None
+            return value.to(device=device, dtype=dtype)
+
+        def cat(*parts):
+            present = [p for p in parts if p is not None]
+            if not present:
+                return None
+            if len(present) != len(parts):
+                raise _unsupported("the checkpoint has biases on some but not all of q/k/v")
+            return torch.cat(present)
+
+        blocks = []
+        for i in range(spec.n_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            if get(p + "mlp.gate_proj.bias") is not None:
+                raise _unsupported("MLP biases are not supported")
+            blocks.append(Block(
+                input_norm=tensor(p + "input_layernorm.weight"),
+                qkv_weight=cat(*(tensor(attn + f"{x}_proj.weight") for x in "qkv")),
+                qkv_bias=cat(*(tensor(attn + f"{x}_proj.bias", required=False) for x in "qkv")),
+                q_norm=tensor(attn + "q_norm.weight", required=False),
+                k_norm=tensor(attn + "k_norm.weight", required=False),
+                o_weight=tensor(attn + "o_proj.weight"),
+                o_bias=tensor(attn + "o_proj.bias", required=False),
+                post_norm=tensor(p + "post_attention_layernorm.weight"),
+                gate_up_weight=cat(tensor(p + "mlp.gate_proj.weight"), tensor(p + "mlp.up_proj.weight")),
+                down_weight=tensor(p + "mlp.down_proj.weight")))
+        embed = tensor("model.embed_tokens.weight")
+        lm_head = tensor("lm_head.weight", required=False)
+        if lm_head is None:
+            if not spec.tie_word_embeddings:
+                raise _unsupported("the checkpoint has no lm_head.weight and does not tie word embeddings")
+            lm_head = embed
+        inv_freq, scaling = rope_frequencies(config, spec.head_dim)
+        return cls(spec, embed, blocks, tensor("model.norm.weight"), lm_head, inv_freq.to(device), scaling)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device="cpu", dtype=torch.bfloat16) -> "Decoder":
+        """Reads config.json and the safetensors shards of an HF model directory (no conversion)."""
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        path = Path(path)
+        config = AutoConfig.from_pretrained(path)
+        spec_from_config(config)  # refuse unsupported models before reading any weights
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}; the torch rollout backend reads "
+                                    "safetensors checkpoints only")
+        handles = [safe_open(str(path / f), framework="pt", device=str(device)) for f in files]
+        where = {name: h for h in handles for name in h.keys()}
+        return cls.from_tensors(config, lambda name: where[name].get_tensor(name) if name in where else None,
+                                device=device, dtype=dtype)
+
+    @classmethod
+    def from_hf_model(cls, model) -> "Decoder":
+        """Shares nothing with ``model`` but its values: weights are copied into the fused layout."""
+        params = dict(model.named_parameters())
+        params.update(dict(model.named_buffers()))
+        first = next(model.parameters())
+        if "lm_head.weight" not in params and getattr(model.config, "tie_word_embeddings", False):
+            params["lm_head.weight"] = model.get_output_embeddings().weight
+        with torch.no_grad():
+            return cls.from_tensors(model.config, lambda name: params[name].detach() if name in params else None,
+                                    device=first.device, dtype=first.dtype)
+
+    # --- shared pieces ----------------------------------------------------------------------------
+    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (length, head_dim) in the model dtype, grown on demand and kept."""
+        if self._rope is None or self._rope[0].shape[0] < length:
+            size = max(length, 4096)
+            positions = torch.arange(size, device=self.device, dtype=torch.float32)
+            freqs = torch.outer(positions, self.inv_freq)
+            angles = torch.cat((freqs, freqs), dim=-1)
+            self._rope = ((angles.cos() * self.attention_scaling).to(self.dtype),
+                          (angles.sin() * self.attention_scaling).to(self.dtype))
+        return self._rope
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm_ref(x, weight, self.spec.rms_norm_eps)
+
+    def _mlp(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(self._norm(x, block.post_norm), block.gate_up_weight)
+        return x + F.linear(kernels.silu_mul_ref(gate_up), block.down_weight)
+
+    # --- passes -----------------------------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor,
+                kv_out: torch.Tensor) -> torch.Tensor:
+        """Left-padded prompts (P, S): writes K/V of every position into ``kv_out`` (layers, 2, P,
+        kv_heads, S, head_dim) and returns the logits of the last position (P, V)."""
+        s = self.spec
+        cos_table, sin_table = self.rope_tables(int(positions.max()) + 1)
+        cos, sin = cos_table[positions].unsqueeze(-2), sin_table[positions].unsqueeze(-2)
+        length = input_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+        # Padding queries attend to themselves only, so no row of the mask is empty (an empty row is NaN).
+        mask = (causal & key_valid[:, None, :]) | torch.eye(length, dtype=torch.bool, device=input_ids.device)
+        mask = mask.unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)
+        for layer, block in enumerate(self.blocks):
+            qkv = F.linear(self._norm(x, block.input_norm), block.qkv_weight, block.qkv_bias)
+            q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
+            q = q.unflatten(-1, (s.n_heads, s.head_dim))
+            k = k.unflatten(-1, (s.n_kv_heads, s.head_dim))
+            v = v.unflatten(-1, (s.n_kv_heads, s.head_dim))
+            if block.q_norm is not None:
+                q, k = self._norm(q, block.q_norm), self._norm(k, block.k_norm)
+            q, k = kernels.rotate(q, cos, sin), kernels.rotate(k, cos, sin)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)          # (P, kv_heads, S, hd)
+            kv_out[layer, 0].copy_(k)
+            kv_out[layer, 1].copy_(v)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                                  enable_gqa=s.n_kv_heads != s.n_heads)
+            x = x + F.linear(attn.transpose(1, 2).flatten(-2), block.o_weight, block.o_bias)
+            x = self._mlp(block, x)
+        return F.linear(self._norm(x[:, -1], self.norm), self.lm_head)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, column: torch.Tensor,
+               attn_bias: torch.Tensor) -> torch.Tensor:
+        """One token per sequence. tokens, positions (b,); cache (layers, 2, >=b, kv_heads, >=L, hd) whose
+        first b rows are these sequences; column (1,) where this token's K/V go; attn_bias (b, L) additive
+        (0 = visible, -inf = not), L columns attended. Returns logits (b, V)."""
+        s = self.spec
+        b = attn_bias.shape[0]
+        eps = s.rms_norm_eps
+        cos_table, sin_table = self.rope_tables(1)  # grown before the call, never inside a captured step
+        x = F.embedding(tokens, self.embed)
+        delta = None
+        for layer, block in enumerate(self.blocks):
+            x, h = kernels.add_rms_norm(x, delta, block.input_norm, eps)
+            qkv = F.linear(h, block.qkv_weight, block.qkv_bias)
+            keys, values = cache[layer, 0, :b], cache[layer, 1, :b]
+            q = kernels.rope_to_cache(qkv, positions, cos_table, sin_table, block.q_norm, block.k_norm, eps,
+                                      keys, values, column, s.n_heads, s.n_kv_heads, s.head_dim)
+            attn = kernels.decode_attention(q, keys, values, attn_bias)
+            delta = F.linear(attn, block.o_weight, block.o_bias)
+            x, h = kernels.add_rms_norm(x, delta, block.post_norm, eps)
+            delta = F.linear(kernels.silu_mul(F.linear(h, block.gate_up_weight)), block.down_weight)
+        _, h = kernels.add_rms_norm(x, delta, self.norm, eps)
+        return F.linear(h, self.lm_head)

@@ -1,0 +1,121 @@
+"""The decoder's Triton kernels against their PyTorch references.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
+imported, hence a fresh Python process); on CUDA they run for real.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+CHECKS = textwrap.dedent(r"""
+    import torch
+    from kfrl.engines import kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert kernels.triton_enabled(torch.empty(1, device=device))
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    # add_rms_norm, with and without the residual add
+    x, delta, w = rand(5, 96), rand(5, 96), rand(96)
+    ref_x, ref_h = kernels.add_rms_norm_ref(x.clone(), delta, w, 1e-6)
+    got_x, got_h = kernels.add_rms_norm(x.clone(), delta, w, 1e-6)
+    assert torch.allclose(got_x, ref_x, atol=tol) and torch.allclose(got_h, ref_h, atol=tol), "add_rms_norm"
+    _, ref_h = kernels.add_rms_norm_ref(x, None, w, 1e-6)
+    assert torch.allclose(kernels.add_rms_norm(x.clone(), None, w, 1e-6)[1], ref_h, atol=tol), "rms_norm"
+
+    # rope_to_cache: q/k norms (Qwen3) or not, head_dim 24 (a half that is not a power of two)
+    for head_dim, with_norm in ((24, True), (64, False)):
+        heads, kv, rows, columns = 4, 2, 3, 10
+        qkv = rand(rows, (heads + 2 * kv) * head_dim)
+        positions = torch.tensor([3, 7, 0], device=device)
+        angles = torch.rand(20, head_dim // 2, generator=g).to(device) * 6
+        cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+        sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+        qn, kn = (rand(head_dim), rand(head_dim)) if with_norm else (None, None)
+        column = torch.tensor([6], device=device)
+        caches = [torch.zeros(2, rows, kv, columns, head_dim, device=device, dtype=dtype) for _ in range(2)]
+        q_ref = kernels.rope_to_cache_ref(qkv, positions, cos, sin, qn, kn, 1e-6, caches[0][0], caches[0][1], column,
+                                          heads, kv, head_dim)
+        q = kernels.rope_to_cache(qkv, positions, cos, sin, qn, kn, 1e-6, caches[1][0], caches[1][1], column,
+                                  heads, kv, head_dim)
+        assert torch.allclose(q, q_ref, atol=tol), ("rope q", head_dim)
+        assert torch.allclose(caches[1], caches[0], atol=tol), ("rope cache", head_dim)
+        assert caches[1][:, :, :, 6].abs().sum() > 0 and caches[1][:, :, :, :6].abs().sum() == 0
+
+    # decode_attention: GQA groups of 7 (Qwen2.5-0.5B) and 2, masked (left-padded) columns, L < columns
+    for heads, kv, head_dim in ((14, 2, 64), (4, 2, 24)):
+        rows, columns, length = 3, 150, 130
+        q = rand(rows, heads, head_dim)
+        keys, values = rand(rows, kv, columns, head_dim), rand(rows, kv, columns, head_dim)
+        bias = torch.zeros(rows, length, device=device, dtype=dtype)
+        bias[0, :70] = float("-inf")   # a short prompt, left-padded
+        bias[2, 100:] = float("-inf")  # columns not yet written
+        ref = kernels.decode_attention_ref(q, keys, values, bias)
+        got = kernels.decode_attention(q, keys, values, bias)
+        assert torch.allclose(got, ref, atol=tol), ("attention", heads, (got - ref).abs().max())
+
+    gate_up = rand(4, 2 * 1100)
+    assert torch.allclose(kernels.silu_mul(gate_up), kernels.silu_mul_ref(gate_up), atol=tol), "silu_mul"
+
+    # sample_and_record: bookkeeping, greedy choice and log-prob, sampling frequencies
+    def run(logits, greedy, temperature=1.0, finished=None, seed=0):
+        rows, vocab = logits.shape
+        state = dict(finished=finished if finished is not None else torch.zeros(rows, dtype=torch.bool, device=device),
+                     sequence=torch.arange(rows, device=device), tokens=torch.zeros(rows, dtype=torch.long, device=device),
+                     positions=torch.full((rows,), 5, device=device), eos_table=torch.zeros(vocab, dtype=torch.bool, device=device),
+                     out_tokens=torch.full((rows + 1, 4), -1, dtype=torch.long, device=device),
+                     out_logprobs=torch.zeros(rows + 1, 4, device=device), column=torch.tensor([12], device=device),
+                     longest=10, pad_id=0)
+        state["eos_table"][3] = True
+        kernels.sample_and_record(logits, temperature=temperature, greedy=greedy,
+                                  seed=torch.tensor([seed], device=device), **state)
+        return state
+
+    logits = rand(6, 5000, scale=3.0)
+    done = torch.tensor([False, True, False, False, False, False], device=device)
+    st = run(logits, greedy=True, finished=done)
+    expect = logits.float().argmax(-1)
+    expect[1] = 0
+    assert torch.equal(st["out_tokens"][:6, 3], expect) and torch.equal(st["tokens"], expect), "greedy tokens"
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, expect[:, None]).squeeze(-1)
+    lp[1] = 0
+    assert torch.allclose(st["out_logprobs"][:6, 3], lp, atol=1e-3), "greedy logprob"
+    assert (st["out_tokens"][:, :3] == -1).all() and (st["positions"] == 6).all()
+    assert st["finished"].tolist() == [False, True, False, False, False, False]
+
+    base = torch.randn(16, generator=g) * 1.5
+    draws = 600
+    st = run(base.to(device=device, dtype=dtype).expand(draws, -1).contiguous(), greedy=False, temperature=0.7, seed=4)
+    tokens = st["out_tokens"][:draws, 3].cpu()
+    observed = torch.bincount(tokens, minlength=16).double() / draws
+    expected = torch.softmax(base.to(dtype).double() / 0.7, -1)
+    chi2 = float((draws * (observed - expected) ** 2 / expected).sum())
+    assert chi2 < 15 + 5 * (2 * 15) ** 0.5 + 10, ("sampling chi2", chi2)
+    lp = torch.log_softmax(base.to(dtype).float() / 0.7, -1)[tokens]
+    assert torch.allclose(st["out_logprobs"][:draws, 3].cpu(), lp, atol=1e-3), "sampled logprob"
+    assert torch.equal(st["finished"].cpu(), tokens == 3), "EOS marks the row finished"
+    again = run(base.to(device=device, dtype=dtype).expand(draws, -1).contiguous(), greedy=False, temperature=0.7, seed=4)
+    assert torch.equal(again["out_tokens"], st["out_tokens"]), "same seed, same samples"
+    print("kernels ok")
+""")
+
+
+def test_kernels_match_their_references():
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    result = subprocess.run([sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "kernels ok" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
