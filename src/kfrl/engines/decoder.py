@@ -9,7 +9,6 @@ checkpoint itself, so no per-family flag can disagree with the weights.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -187,18 +186,12 @@ class Decoder:
         from safetensors import safe_open
         from transformers import AutoConfig
 
+        from kfrl.models.hf_io import safetensors_files
+
         path = Path(path)
         config = AutoConfig.from_pretrained(path)
         spec_from_config(config)  # refuse unsupported models before reading any weights
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {path}; the torch rollout backend reads "
-                                    "safetensors checkpoints only")
-        handles = [safe_open(str(path / f), framework="pt", device=str(device)) for f in files]
+        handles = [safe_open(str(f), framework="pt", device=str(device)) for f in safetensors_files(path)]
         where = {name: h for h in handles for name in h.keys()}
         return cls.from_tensors(config, lambda name: where[name].get_tensor(name) if name in where else None,
                                 device=device, dtype=dtype)

@@ -10,7 +10,6 @@ module is tested against a small fake ``vllm`` (tests/fake_vllm); the GPU path i
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 from kfrl.engines.rollout import Generation, SamplingParams
@@ -28,17 +27,6 @@ def _load_checkpoint_into(model, files: list[str]) -> int:
         count += len(tensors)
         model.load_weights(weights=tensors.items())
     return count
-
-
-def _safetensors_files(model_dir: Path) -> list[str]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        names = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if not names:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} to load into the vLLM engine")
-    return [str(model_dir / n) for n in names]
 
 
 class VllmRollout:
@@ -66,7 +54,10 @@ class VllmRollout:
         model_dir = Path(model_dir)
         if model_dir == self.model_dir:
             return
-        self.llm.apply_model(functools.partial(_load_checkpoint_into, files=_safetensors_files(model_dir)))
+        from kfrl.models.hf_io import safetensors_files
+
+        files = [str(f) for f in safetensors_files(model_dir)]
+        self.llm.apply_model(functools.partial(_load_checkpoint_into, files=files))
         self.llm.reset_prefix_cache()
         self.model_dir = model_dir
 

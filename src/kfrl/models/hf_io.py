@@ -19,6 +19,22 @@ def _require_hf_dir(path: str | Path) -> Path:
     return path
 
 
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The safetensors shards of an HF model directory (from its index when sharded)."""
+    import json
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}; kfrl's torch and vllm rollout backends read "
+                                "safetensors checkpoints")
+    return [path / n for n in names]
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(_require_hf_dir(path))
 
