@@ -306,3 +306,15 @@ def test_demo_config_trains_with_the_torch_backend(tmp_path):
     assert 0.0 <= results[(2, "score")].metrics["critic/score/mean"] <= 1.0
     assert "val-core/kfrl/arith/acc/mean@1" in results[(2, "validate")].metrics
     assert results[(2, "update_actor")].metrics["actor/pg_loss"] == results[(2, "update_actor")].metrics["actor/pg_loss"]
+
+
+def test_auto_backend_is_torch_on_cuda_for_supported_checkpoints(tmp_path, tiny_dir):
+    from kfrl.engines.rollout import resolve_backend
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    assert resolve_backend("auto", "cuda", tiny_dir) == "torch"
+    assert resolve_backend("auto", "cpu", tiny_dir) == "hf"
+    assert resolve_backend("auto", "cuda", gpt2) == "hf"
+    assert resolve_backend("torch", "cpu", tiny_dir) == "torch"

@@ -96,18 +96,18 @@ def pad_token_id(tokenizer, eos_ids: set[int]) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
 
 
-def resolve_backend(requested: str, device: str, model_dir: str | Path) -> tuple[str, str]:
-    """(backend, why) for ``rollout.name``; ``auto`` = torch on CUDA when the checkpoint is supported."""
+def resolve_backend(requested: str, device: str, model_dir: str | Path) -> str:
+    """The backend ``rollout.name`` means here: ``auto`` = torch on CUDA when it supports the checkpoint."""
     if requested != "auto":
-        return requested, f"rollout.name={requested}"
+        return requested
     if device != "cuda":
-        return "hf", "rollout.name=auto on CPU: the HF reference backend"
+        return "hf"
     from transformers import AutoConfig
 
     from kfrl.engines.decoder import UnsupportedModelError, spec_from_config
 
     try:
         spec_from_config(AutoConfig.from_pretrained(model_dir))
-    except UnsupportedModelError as err:
-        return "hf", f"rollout.name=auto: {err}"
-    return "torch", "rollout.name=auto on CUDA: kfrl's graph-captured decoder"
+    except UnsupportedModelError:
+        return "hf"
+    return "torch"

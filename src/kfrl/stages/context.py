@@ -176,7 +176,7 @@ class StageContext:
 
         cfg = self.config.rollout
         local = self.checkpoint_dir(manifest)
-        backend, _ = resolve_backend(cfg.name, self.device, local)
+        backend = resolve_backend(cfg.name, self.device, local)
         tokenizer = self.load_tokenizer(manifest)
         micro = cfg.micro_batch_size if micro_batch_size is None else micro_batch_size
         if backend == "hf":
