@@ -215,7 +215,7 @@ if triton is not None:
         y2 = (w2 * (x2f * scale).to(x2.dtype).to(tl.float32)).to(x2.dtype)
         return y1, y2
 
-    @triton.jit(do_not_specialize=["cache_row_stride", "cache_head_stride"])
+    @triton.jit
     def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, q_ptr, k_ptr, v_ptr,
                            col_ptr, qkv_stride, cache_row_stride, cache_head_stride, cache_col_stride,
                            N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr,
@@ -265,7 +265,10 @@ if triton is not None:
         act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)
         tl.store(out_ptr + row * inner + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
-    @triton.jit(do_not_specialize=["length", "bias_stride", "row_stride", "head_stride"])
+    # Integer arguments are specialised by value class (== 1, divisible by 16), so one that changes
+    # between calls can trigger a compile mid-rollout. The lengths may, the cache strides must not:
+    # their divisibility is what lets Triton vectorise the K/V loads (unspecialised: 2.5x slower).
+    @triton.jit(do_not_specialize=["length", "bias_stride"])
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, length, bias_stride, row_stride, head_stride,
                                  col_stride, scale, GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
                                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):

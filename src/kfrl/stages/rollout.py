@@ -10,6 +10,7 @@ retried stage and a resumed run all read the same prompts and never re-read cons
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +93,7 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
                             top_k=cfg.rollout.top_k, max_new_tokens=cfg.data.max_response_length)
     dynamic = cfg.algorithm.filter_groups.enable
     batch_size = cfg.gen_batch_size if dynamic else cfg.data.train_batch_size
+    generate_seconds: list[float] = []
 
     def generate(data_batch: int, k: int) -> GenBatch:
         epoch, rows = iteration_rows(table.num_rows, batch_size, data_batch, seed=cfg.data.seed,
@@ -100,8 +102,10 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
         prompts = [tokenize_prompt(tokenizer, prompt_messages(r, cfg.data.prompt_key, f"{source} row {int(i)}"),
                                    cfg.data.max_prompt_length, f"{source} row {int(i)}", cfg.data.truncation)
                    for r, i in zip(records, rows)]
+        started = time.perf_counter()
         generations = engine.generate_responses(prompts, params,
                                                 seed=cfg.trainer.seed * 1_000_003 + ctx.iteration + 7_919 * k)
+        generate_seconds.append(time.perf_counter() - started)
         # The prompt group id; extra generation batches get their own so groups never merge.
         tag = f"it{ctx.iteration:06d}" + (f"-g{k}" if k else "")
         return GenBatch([f"{tag}-row{int(i)}" for i in rows], records, prompts, generations, epoch)
@@ -164,6 +168,8 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
         "prompt_length/clip_ratio": float((prompt_lengths >= cfg.data.max_prompt_length).mean()),
         "perf/response_tokens": float(response_lengths.sum()),
         "perf/total_num_tokens": float(response_lengths.sum() + prompt_lengths.sum() * n),
+        # The engine's generation alone; timing_s/gen is the whole stage (loading the policy, data, writing).
+        "timing_s/generate_sequences": float(sum(generate_seconds)),
     }
     if dynamic:
         metrics["train/num_gen_batches"] = float(n_gen_batches)
