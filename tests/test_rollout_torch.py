@@ -303,6 +303,7 @@ def test_demo_config_trains_with_the_torch_backend(tmp_path):
     assert ctx.manifest("rollout").info["rollout_backend"] == "torch"
     rollout_metrics = results[(2, "rollout")].metrics
     assert 1 <= rollout_metrics["response_length/mean"] <= 16
+    assert 0 < rollout_metrics["timing_s/generate_sequences"] < rollout_metrics["timing_s/gen"]
     assert 0.0 <= results[(2, "score")].metrics["critic/score/mean"] <= 1.0
     assert "val-core/kfrl/arith/acc/mean@1" in results[(2, "validate")].metrics
     assert results[(2, "update_actor")].metrics["actor/pg_loss"] == results[(2, "update_actor")].metrics["actor/pg_loss"]
