@@ -14,7 +14,8 @@ from kfrl.algos import advantage as algos_advantage
 from kfrl.algos import kl_penalty
 from kfrl.config import ConfigError, load_config
 from kfrl.stages import STAGES, plan, run_stage
-from kfrl.stages.context import StageContext, stage_prefix
+from kfrl.run import stage_prefix
+from kfrl.stages.context import StageContext
 from kfrl.stages.prepare import prepare_run
 from kfrl.store import Store
 

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from kfrl.config import load_config
 from kfrl.controller import train
+from kfrl.run import Run
 from kfrl.store import Store
 
 pytestmark = pytest.mark.slow
@@ -104,14 +105,14 @@ def test_interrupted_run_resumes_from_latest(tmp_path):
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert run_dir.get_latest("") == 1
+    assert Run(run_dir).latest() == 1
     first = {stage: run_dir.manifest(f"iter-000001/{stage}").attempt for stage in ("rollout", "update_actor")}
     rollout2 = run_dir.manifest("iter-000002/rollout").attempt
 
     result = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resuming after iteration 1" in result.stdout
-    assert run_dir.get_latest("") == 3
+    assert Run(run_dir).latest() == 3
     # Iteration 1 was not redone, and iteration 2's committed rollout was kept.
     assert {s: run_dir.manifest(f"iter-000001/{s}").attempt for s in first} == first
     assert run_dir.manifest("iter-000002/rollout").attempt == rollout2

@@ -9,7 +9,7 @@ import torch
 from kfrl.config import load_config
 from kfrl.export import PROVENANCE_FILE, ExportError, export_policy, find_run
 from kfrl.stages import STAGES, run_stage
-from kfrl.stages.context import CRITIC_STAGE, POLICY_STAGE, stage_prefix
+from kfrl.run import CRITIC_STAGE, POLICY_STAGE, Run, stage_prefix
 from kfrl.stages.prepare import prepare_run
 from kfrl.store import Store
 
@@ -25,7 +25,7 @@ def build_run(store_root: Path, experiment: str, run_id: str, iterations: int, e
     for iteration in range(1, iterations + 1):
         for stage in STAGES:
             run_stage(stage, store.uri, iteration)
-        store.set_latest("", iteration)
+        Run(store).set_latest(iteration)
     return store
 
 

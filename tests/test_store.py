@@ -13,14 +13,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from kfrl.store import (
-    Manifest,
-    Store,
-    StoreError,
-    StoreNotFoundError,
-    iteration_prefix,
-    stage_prefix,
-)
+from kfrl.store import Manifest, Store, StoreError, StoreNotFoundError
 
 PREFIX = "exp/run1/iter-000001/rollout"
 
@@ -48,14 +41,6 @@ def commit_two_files(store: Store, prefix: str = PREFIX, **kw) -> Manifest:
     attempt.write_bytes("part-00000.parquet", b"first file")
     attempt.write_bytes("sub/dir/b.bin", b"x" * 1000)
     return attempt.commit(**kw)
-
-
-def test_layout_helpers():
-    assert iteration_prefix("exp/run", 1) == "exp/run/iter-000001"
-    assert stage_prefix("exp/run/", 12, "rollout") == "exp/run/iter-000012/rollout"
-    with pytest.raises(ValueError):
-        iteration_prefix("exp/run", -1)
-    assert stage_prefix("", 0, "init") == "iter-000000/init"
 
 
 def test_root_normalisation(tmp_path, monkeypatch):
@@ -185,14 +170,13 @@ def test_missing_file_error_names_uri(store):
     assert store.list("exp/nothing-here") == []
 
 
-def test_latest(store):
-    assert store.get_latest("exp/run1") is None
-    store.set_latest("exp/run1", 3)
-    store.set_latest("exp/run1", 4)
-    assert store.get_latest("exp/run1") == 4
-    store.write_text("exp/run1/LATEST", "garbage")
-    with pytest.raises(StoreError, match="LATEST"):
-        store.get_latest("exp/run1")
+def test_subdirs_and_get_file(store, tmp_path):
+    commit_two_files(store)
+    store.write_text("exp/run2/config.yaml", "x: 1\n")
+    assert store.subdirs("exp") == ["run1", "run2"]
+    assert store.subdirs("exp/missing") == []
+    store.get_file("exp/run2/config.yaml", tmp_path / "copy.yaml")
+    assert (tmp_path / "copy.yaml").read_text() == "x: 1\n"
 
 
 def test_ping(store):

@@ -14,7 +14,8 @@ from kfrl.config import load_config
 from kfrl.controller import train
 from kfrl.data.dataset import DatasetError, tokenize_prompt
 from kfrl.stages import run_stage
-from kfrl.stages.context import StageContext, stage_prefix
+from kfrl.run import Run, stage_prefix
+from kfrl.stages.context import StageContext
 from kfrl.stages.prepare import prepare_run
 from kfrl.store import Store
 
@@ -69,7 +70,7 @@ def test_total_epochs_sets_iterations_from_the_data(tmp_path):
                              "trainer.total_epochs=3"])
     store = Store(str(tmp_path / "run"))
     prepare_run(store, cfg)
-    resolved = resolve_total(store, cfg)
+    resolved = resolve_total(Run(store), cfg)
     assert resolved.trainer.total_iterations == 30  # 1050 // 100 = 10 per epoch, drop_last
     assert "total_iterations: 30" in store.read_text("config.yaml")
 

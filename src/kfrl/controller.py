@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kfrl.config import Config, config_from_yaml_text
+from kfrl.config import Config
+from kfrl.run import POLICY_STAGE, Run
 from kfrl.stages import STAGES, TIMING_NAMES, plan, skip_reason
-from kfrl.stages.context import CONFIG_FILE, stage_prefix
 from kfrl.store import Store
 
 # Sections that say where and how a run executes, not what it computes: a resumed run takes them
@@ -59,13 +59,13 @@ def resolve_resume(stored: Config, given: Config, total_iterations: int | None) 
     return Config.model_validate(tree), ignored
 
 
-def resolve_total(store: Store, config: Config) -> Config:
+def resolve_total(run: Run, config: Config) -> Config:
     """Fix trainer.total_iterations (from total_epochs when null: veRL's total_training_steps =
     len(dataloader) x total_epochs, drop_last) and store the config stages will read."""
     from kfrl.data.dataset import steps_per_epoch
 
     if config.trainer.total_iterations is None:
-        manifest = store.manifest("data/train")
+        manifest = run.store.manifest("data/train")
         rows = int(manifest.info.get("rows", 0)) if manifest is not None else 0
         per_epoch = steps_per_epoch(rows, config.data.train_batch_size)
         if per_epoch == 0:
@@ -74,27 +74,18 @@ def resolve_total(store: Store, config: Config) -> Config:
         config = config.model_copy(update={"trainer": config.trainer.model_copy(
             update={"total_iterations": per_epoch * config.trainer.total_epochs})})
     text = config.to_yaml()
-    if store.read_text(CONFIG_FILE) != text:
-        store.write_text(CONFIG_FILE, text)
+    if run.config_text() != text:
+        run.write_config(text)
     return config
 
 
-def collect_metrics(store: Store, iteration: int) -> dict[str, float]:
-    metrics: dict[str, float] = {}
-    for stage in METRIC_ORDER:
-        manifest = store.manifest(stage_prefix(iteration, stage))
-        if manifest is not None:
-            metrics.update({k: float(v) for k, v in manifest.metrics.items()})
-    return metrics
-
-
-def generation_rows(store: Store, iteration: int, limit: int) -> list[dict]:
+def generation_rows(run: Run, iteration: int, limit: int) -> list[dict]:
     """A few (prompt, response, score) rows for the MLflow table."""
     if limit <= 0:
         return []
     from kfrl.stages.context import StageContext
 
-    ctx = StageContext.open(store.uri, iteration)
+    ctx = StageContext.open(run.uri, iteration)
     table = ctx.read_groups("rollout", "score").slice(0, limit)
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(0))
     prompts = tokenizer.batch_decode(table.column("prompt_ids").to_pylist(), skip_special_tokens=False)
@@ -110,8 +101,8 @@ def generation_rows(store: Store, iteration: int, limit: int) -> list[dict]:
 class StageWatcher:
     """Polls the store for committed stages so the terminal shows where an iteration is."""
 
-    def __init__(self, store: Store, iteration: int, status, label: str, interval: float = 0.5):
-        self.store, self.iteration, self.status, self.label, self.interval = store, iteration, status, label, interval
+    def __init__(self, run: Run, iteration: int, status, label: str, interval: float = 0.5):
+        self.run, self.iteration, self.status, self.label, self.interval = run, iteration, status, label, interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.started = time.monotonic()
@@ -130,7 +121,7 @@ class StageWatcher:
             for stage in STAGES:
                 if stage not in done:
                     try:
-                        if self.store.is_committed(stage_prefix(self.iteration, stage)):
+                        if self.run.is_committed(stage, self.iteration):
                             done.add(stage)
                     except Exception:  # the watcher only informs; the runner reports real failures
                         pass
@@ -153,20 +144,20 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     root.ping()
     run_id = run_id or new_run_id()
     run_uri = root.url(f"{config.trainer.experiment_name}/{run_id}")
-    store = Store(run_uri, retries=config.store.retries)
+    run = Run.at(run_uri, retries=config.store.retries)
 
-    if store.exists(CONFIG_FILE):
-        config, ignored = resolve_resume(config_from_yaml_text(store.read_text(CONFIG_FILE)), config, iterations)
+    if run.has_config():
+        config, ignored = resolve_resume(run.config(), config, iterations)
         if ignored:
             console.print(f"[yellow]resuming {run_id}: its stored config wins for {', '.join(ignored)}[/]")
     elif iterations:
         config = config.model_copy(update={"trainer": config.trainer.model_copy(
             update={"total_iterations": iterations})})
     with console.status(f"preparing run {run_id} (data, initial policy)"):
-        prepare_run(store, config)
-        config = resolve_total(store, config)
+        prepare_run(run.store, config)
+        config = resolve_total(run, config)
     total = config.trainer.total_iterations
-    latest = store.get_latest("") or 0
+    latest = run.latest() or 0
 
     tracker = Tracker(config.tracking.uri, config.tracking_experiment, run_id, run_name=run_id)
     tracker.log_params(config.flat())
@@ -187,16 +178,16 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
         if latest == 0 and not skip_reason("validate", config, 0):
             with console.status("validating the initial policy (trainer.val_before_train)"):
                 runner.run(run_uri, 0, logs / "validate-000000.log", pipeline="validate")
-            metrics = collect_metrics(store, 0)
+            metrics = run.iteration_metrics(0, METRIC_ORDER)
             tracker.log_iteration(0, metrics)
             console.print(validation_line(0, metrics))
         for iteration in range(latest + 1, total + 1):
             label = f"iteration {iteration}/{total}"
             started = time.perf_counter()
-            with console.status(label) as status, StageWatcher(store, iteration, status, label):
+            with console.status(label) as status, StageWatcher(run, iteration, status, label):
                 runner.run(run_uri, iteration, logs / f"iter-{iteration:06d}.log")
             step_time = time.perf_counter() - started
-            metrics = record_iteration(store, tracker, config, iteration, step_time, summary)
+            metrics = record_iteration(run, tracker, config, iteration, step_time, summary)
             console.print(iteration_line(iteration, total, metrics, stage_plan))
             if any(key.startswith("val-core/") for key in metrics):
                 console.print(validation_line(iteration, metrics))
@@ -210,26 +201,25 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     return summary
 
 
-def record_iteration(store: Store, tracker, config: Config, iteration: int, step_time: float,
+def record_iteration(run: Run, tracker, config: Config, iteration: int, step_time: float,
                      summary: TrainSummary) -> dict[str, float]:
-    metrics = collect_metrics(store, iteration)
+    metrics = run.iteration_metrics(iteration, METRIC_ORDER)
     metrics["timing_s/step"] = step_time
     metrics["perf/time_per_step"] = step_time
     metrics["training/global_step"] = float(iteration)
     if "perf/total_num_tokens" in metrics and step_time > 0:
         metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / step_time
     tracker.log_iteration(iteration, metrics)
-    rows = generation_rows(store, iteration, config.trainer.log_generations)
+    rows = generation_rows(run, iteration, config.trainer.log_generations)
     if rows:
         tracker.log_table(rows, f"generations/iter-{iteration:06d}.json")
     save = config.trainer.save_freq
     due = iteration == config.trainer.total_iterations or (save > 0 and iteration % save == 0)
-    actor_update = store.manifest(stage_prefix(iteration, "update_actor"))
+    actor_update = run.manifest(POLICY_STAGE, iteration)
     if due and actor_update is not None and not actor_update.info.get("skipped"):  # none during critic warm-up
-        checkpoint_uri = store.url(stage_prefix(iteration, "update_actor"))
         summary.registered_versions[iteration] = tracker.register_checkpoint(
-            config.registered_model_name, checkpoint_uri, iteration)
-    store.set_latest("", iteration)
+            config.registered_model_name, run.url(POLICY_STAGE, iteration), iteration)
+    run.set_latest(iteration)
     summary.iterations[iteration] = metrics
     return metrics
 

@@ -22,7 +22,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from kfrl.stages.context import CONFIG_FILE, CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, stage_prefix
+from kfrl.run import CONFIG_FILE, CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, Run, RunLayoutError
 from kfrl.stages.update import OPTIMIZER_FILE, TRAINER_STATE_FILE
 from kfrl.store import DOWNLOAD_MARKER, Manifest, Store
 
@@ -33,7 +33,6 @@ EXCLUDED_FILES = {OPTIMIZER_FILE, TRAINER_STATE_FILE, DOWNLOAD_MARKER, PROVENANC
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
 _WEIGHT_FILE = re.compile(r"(\.safetensors|\.safetensors\.index\.json|\.bin|\.bin\.index\.json|\.pt|\.pth)$")
-_ITER_DIR = re.compile(r"^iter-(\d{6,})$")
 _MAX_LISTED_RUNS = 10
 
 
@@ -106,34 +105,15 @@ def _one_component(value, what: str, allow_pair: bool = False) -> str:
     return text
 
 
-def _subdirs(store: Store, rel: str = "") -> list[str]:
-    """Names of the folders directly below ``rel`` (sorted; hidden ones left out)."""
-    uri = store.url(rel)
-
-    def ls() -> list[dict]:
-        try:
-            return store.fs.ls(uri, detail=True)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
-    names = set()
-    for entry in store._retrying("list", uri, ls):
-        if entry.get("type") == "directory":
-            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            if name and not name.startswith("."):
-                names.add(name)
-    return sorted(names)
-
-
 def _experiments_with(root: Store, run_id: str) -> list[str]:
-    return [exp for exp in _subdirs(root) if root.exists(f"{exp}/{run_id}/{CONFIG_FILE}")]
+    return [exp for exp in root.subdirs() if root.exists(f"{exp}/{run_id}/{CONFIG_FILE}")]
 
 
 def _list_runs(root: Store, experiment: str | None = None) -> list[str]:
     """``experiment/run_id`` of every run below the store root (or of one experiment)."""
     runs = []
-    for exp in [experiment] if experiment else _subdirs(root):
-        runs += [f"{exp}/{run}" for run in _subdirs(root, exp) if root.exists(f"{exp}/{run}/{CONFIG_FILE}")]
+    for exp in [experiment] if experiment else root.subdirs():
+        runs += [f"{exp}/{run}" for run in root.subdirs(exp) if root.exists(f"{exp}/{run}/{CONFIG_FILE}")]
     return runs
 
 
@@ -160,23 +140,21 @@ def export_policy(run_uri: str, to: str | Path, *, iteration: int | None = None,
     """
     dtype = _normalise_dtype(dtype)
     target = _check_target(to, overwrite)
-    run = Store(run_uri)
-    if not run.exists(CONFIG_FILE):
+    run = Run.at(run_uri)
+    if not run.has_config():
         raise ExportError(f"{run.uri} is not a kfrl run (no {CONFIG_FILE} there); find the run with "
                           "`kfrl export --run ID [--experiment NAME] --store URI`")
-    from kfrl.config import config_from_yaml_text
-
-    config = config_from_yaml_text(run.read_text(CONFIG_FILE))
+    config = run.config()
     stage, model_kind = (CRITIC_STAGE, "critic") if critic else (POLICY_STAGE, "policy")
     notes: list[str] = []
-    if critic and not run.is_committed(stage_prefix(INIT_ITERATION, CRITIC_STAGE)):
+    if critic and not run.is_committed(CRITIC_STAGE, INIT_ITERATION):
         from kfrl.stages import skip_reason
 
         why = skip_reason(CRITIC_STAGE, config) or "its critic was never initialised"
         raise ExportError(f"run {run.uri} has no critic to export ({why}); export the policy instead "
                           "(leave out --critic)")
 
-    latest = run.get_latest("")
+    latest = run.latest()
     if iteration is None:
         if latest is None:
             raise ExportError(f"run {run.uri} has no completed iteration yet (no LATEST); pass --iteration 0 "
@@ -187,16 +165,18 @@ def export_policy(run_uri: str, to: str | Path, *, iteration: int | None = None,
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
         raise ExportError(f"iteration must be a whole number >= 0 (0 = the initial model), got {iteration!r}")
 
-    manifest = run.manifest(stage_prefix(iteration, stage))
-    if manifest is None:
-        have = _describe_iterations(_committed_iterations(run, stage, latest))
+    if not run.is_committed(stage, iteration):
+        have = _describe_iterations(run.committed_iterations(stage))
         what = "" if stage == POLICY_STAGE else f" for the critic ({stage})"
         raise ExportError(f"iteration {iteration} is not committed{what} in run {run.uri}; the run has "
                           f"{have}" + (f" (LATEST is {latest})" if latest is not None else ""))
     if latest is not None and iteration > latest:
         notes.append(f"iteration {iteration} is past LATEST ({latest}): its checkpoint is committed but the "
                      "iteration was not recorded yet")
-    manifest, checkpoint_iteration = _walk_back_over_skipped(run, stage, iteration, manifest)
+    try:
+        manifest, checkpoint_iteration = run.checkpoint(stage, iteration)
+    except RunLayoutError as err:
+        raise ExportError(f"{err}; the run has no checkpoint to export there") from err
     if checkpoint_iteration != iteration:
         notes.append(f"the {model_kind} update was skipped at "
                      f"{_describe_iterations(list(range(checkpoint_iteration + 1, iteration + 1)))} "
@@ -217,7 +197,7 @@ def export_policy(run_uri: str, to: str | Path, *, iteration: int | None = None,
             "iteration": iteration,
             "checkpoint_iteration": checkpoint_iteration,
             "source": source,
-            "source_manifest": run.manifest_url(fetched_from.prefix),
+            "source_manifest": run.store.manifest_url(fetched_from.prefix),
             "source_attempt": attempt,
             "source_committed_at": fetched_from.created_at,
             "dtype": dtype,
@@ -235,8 +215,8 @@ def export_policy(run_uri: str, to: str | Path, *, iteration: int | None = None,
                         attempt=attempt, model=model_kind, dtype=dtype, files=sorted(files), notes=notes)
 
 
-def _skip_reason(run: Store, stage: str, iteration: int) -> str:
-    manifest = run.manifest(stage_prefix(iteration, stage))
+def _skip_reason(run: Run, stage: str, iteration: int) -> str:
+    manifest = run.manifest(stage, iteration)
     return str(manifest.info.get("skipped")) if manifest is not None else "skipped"
 
 
@@ -263,30 +243,6 @@ def _check_target(to: str | Path, overwrite: bool) -> Path:
     return target
 
 
-def _walk_back_over_skipped(run: Store, stage: str, iteration: int, manifest: Manifest) -> tuple[Manifest, int]:
-    it = iteration
-    while manifest.info.get("skipped"):
-        it -= 1
-        if it < INIT_ITERATION:
-            raise ExportError(f"every {stage} of run {run.uri} up to iteration {iteration} was skipped; "
-                              "the run has no checkpoint to export")
-        manifest = run.manifest(stage_prefix(it, stage))
-        if manifest is None:
-            raise ExportError(f"{stage} of iteration {iteration} was skipped and iteration {it}'s is not "
-                              f"committed ({run.url(stage_prefix(it, stage))}); the run is damaged")
-    return manifest, it
-
-
-def _committed_iterations(run: Store, stage: str, latest: int | None) -> list[int]:
-    """Iterations with a committed ``stage`` (0..LATEST are, by how runs are recorded; probe the rest)."""
-    known = set(range(INIT_ITERATION, latest + 1)) if latest is not None else set()
-    for name in _subdirs(run):
-        match = _ITER_DIR.match(name)
-        if match and int(match.group(1)) not in known and run.is_committed(stage_prefix(int(match.group(1)), stage)):
-            known.add(int(match.group(1)))
-    return sorted(known)
-
-
 def _describe_iterations(iterations: list[int]) -> str:
     if not iterations:
         return "no committed iterations"
@@ -298,20 +254,20 @@ def _describe_iterations(iterations: list[int]) -> str:
     return ("iteration " if len(iterations) == 1 else "iterations ") + ", ".join(ranges)
 
 
-def _assemble(run: Store, manifest: Manifest, config, out: Path, *, dtype: str | None, critic: bool,
+def _assemble(run: Run, manifest: Manifest, config, out: Path, *, dtype: str | None, critic: bool,
               notes: list[str]) -> tuple[str, str, bool, Manifest]:
     """Fill ``out`` with the model; returns (source URI, attempt, whether re-saved, manifest read)."""
     seed = config.trainer.seed
     value_head_new = False
     if manifest.info.get("init_from") == "policy":
         # A critic initialised from the actor's initial weights; stages add a seeded value head on load.
-        manifest = run.manifest(stage_prefix(INIT_ITERATION, POLICY_STAGE))
+        manifest = run.manifest(POLICY_STAGE, INIT_ITERATION)
         if manifest is None:
             raise ExportError(f"the critic of {run.uri} starts from the initial policy, which is not committed "
-                              f"({run.url(stage_prefix(INIT_ITERATION, POLICY_STAGE))}); the run is damaged")
+                              f"({run.url(POLICY_STAGE, INIT_ITERATION)}); the run is damaged")
         value_head_new = True
     in_place = manifest.info.get("source") if not manifest.files else None
-    source = str(in_place) if in_place else run.url(manifest.prefix)
+    source = str(in_place) if in_place else run.store.url(manifest.prefix)
 
     staging = out / ".kfrl-source"
     needs_model_code = dtype is not None or critic
@@ -320,7 +276,7 @@ def _assemble(run: Store, manifest: Manifest, config, out: Path, *, dtype: str |
         _copy_in_place(str(in_place), fetch_to)
     else:
         kept = [f for f in manifest.files if f["name"] not in EXCLUDED_FILES]
-        run.download(dataclasses.replace(manifest, files=kept), fetch_to)
+        run.store.download(dataclasses.replace(manifest, files=kept), fetch_to)
         (fetch_to / DOWNLOAD_MARKER).unlink(missing_ok=True)
     if not (fetch_to / "config.json").is_file():
         raise ExportError(f"the checkpoint at {source} has no config.json; it is not an HF model directory")
@@ -364,8 +320,7 @@ def _copy_in_place(source: str, dest: Path) -> None:
         if isinstance(src, Path):
             shutil.copyfile(src / name, target)
         else:
-            uri = src.url(name)
-            src._retrying("download", uri, lambda: src.fs.get_file(uri, str(target)))
+            src.get_file(name, target)
 
 
 def _resave(src: Path, out: Path, *, dtype: str | None, critic: bool, value_head_new: bool, seed: int) -> None:

@@ -1,11 +1,9 @@
-"""Object store over fsspec (local folders and s3://) with the run layout and one-shot commits.
+"""Object store over fsspec (local folders and s3://) with one-shot commits.
 
-Layout of one training run inside a store root::
+A commit lives under a prefix (``kfrl.run`` says which prefix holds what in a training run)::
 
-    {root}/{experiment}/{run_id}/config.yaml
-    {root}/{experiment}/{run_id}/iter-{N:06d}/{stage}/attempt-{hex}/<files>
-    {root}/{experiment}/{run_id}/iter-{N:06d}/{stage}/_COMMITTED     (JSON manifest)
-    {root}/{experiment}/{run_id}/LATEST                              (last committed iteration)
+    {prefix}/attempt-{hex}/<files>
+    {prefix}/_COMMITTED     (JSON manifest)
 
 S3 has no atomic rename, so a writer puts every file under a fresh ``attempt-{hex}`` prefix and
 then publishes one small manifest with a create-only write. Readers trust only manifests: a
@@ -38,7 +36,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MANIFEST_NAME = "_COMMITTED"
-LATEST_NAME = "LATEST"
 DOWNLOAD_MARKER = ".kfrl-download.json"
 MANIFEST_FORMAT = 1
 _CHUNK = 8 * 2**20
@@ -65,18 +62,6 @@ class StoreNotFoundError(StoreError):
 
 # ---------------------------------------------------------------------------------------------
 # layout helpers
-
-
-def iteration_prefix(run_prefix: str, iteration: int) -> str:
-    """``"exp/run"``, 1 -> ``"exp/run/iter-000001"``; ``""`` (a store rooted at the run) -> ``"iter-000001"``."""
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
-    return _join(run_prefix, f"iter-{iteration:06d}")
-
-
-def stage_prefix(run_prefix: str, iteration: int, stage: str) -> str:
-    """``"exp/run"``, 1, ``"rollout"`` -> ``"exp/run/iter-000001/rollout"``."""
-    return _join(iteration_prefix(run_prefix, iteration), stage)
 
 
 def _join(*parts: str) -> str:
@@ -413,6 +398,29 @@ class Store:
             names.append(rel_found[len(base):].lstrip("/") if base else rel_found)
         return sorted(names)
 
+    def subdirs(self, rel: str = "") -> list[str]:
+        """Names of the folders directly below ``rel`` (sorted; hidden ones left out)."""
+        uri = self.url(rel)
+
+        def ls() -> list[dict]:
+            try:
+                return self.fs.ls(uri, detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+
+        names = set()
+        for entry in self._retrying("list", uri, ls):
+            if entry.get("type") == "directory":
+                name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+                if name and not name.startswith("."):
+                    names.add(name)
+        return sorted(names)
+
+    def get_file(self, rel: str, target: str | Path) -> None:
+        """Copy one (uncommitted, unverified) file to a local path, streaming."""
+        uri = self.url(rel)
+        self._retrying("download", uri, lambda: self.fs.get_file(uri, str(target)))
+
     def ping(self) -> None:
         """Fail fast, with the URI in the message, when the store cannot be reached."""
         if self.is_s3:
@@ -508,26 +516,6 @@ class Store:
             raise StoreNotFoundError(_missing_committed_file(uri, self.manifest_url(manifest.prefix))) from err
         finally:
             tmp.unlink(missing_ok=True)
-
-    # -- LATEST -----------------------------------------------------------------------------------
-
-    def get_latest(self, run_prefix: str) -> int | None:
-        rel = _join(run_prefix, LATEST_NAME)
-        try:
-            text = self.read_text(rel)
-        except StoreNotFoundError:
-            return None
-        try:
-            return int(text.strip())
-        except ValueError as err:
-            raise StoreError(f"{self.url(rel)} should hold an iteration number but holds {text[:40]!r}; "
-                             "fix or delete it") from err
-
-    def set_latest(self, run_prefix: str, iteration: int) -> None:
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
-        self.write_text(_join(run_prefix, LATEST_NAME), f"{iteration}\n")
-
 
 class Attempt:
     """One writer's private prefix; nothing in it is visible to readers until :meth:`commit`."""
@@ -753,7 +741,4 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"
 
 
-__all__ = [
-    "Attempt", "Manifest", "Store", "StoreError", "StoreNotFoundError", "iteration_prefix",
-    "stage_prefix", "MANIFEST_NAME", "LATEST_NAME",
-]
+__all__ = ["Attempt", "Manifest", "Store", "StoreError", "StoreNotFoundError", "MANIFEST_NAME"]

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kfrl.stages.context import StageContext, StageInputError, stage_prefix
+from kfrl.run import stage_prefix
+from kfrl.stages.context import StageContext, StageInputError
 
 # Execution order within one iteration (a valid topological order of the DAG; veRL's step order).
 INFER_STAGES = ("rollout", "gen_max", "score", "old_logprob", "ref_logprob", "values")

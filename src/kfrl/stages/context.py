@@ -9,21 +9,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from kfrl.config import Config, config_from_yaml_text
+from kfrl.config import Config
+from kfrl.run import CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, Run, RunLayoutError
 from kfrl.store import Manifest, Store
 
-CONFIG_FILE = "config.yaml"
-POLICY_STAGE = "update_actor"
-CRITIC_STAGE = "update_critic"
-INIT_ITERATION = 0
 
-
-class StageInputError(RuntimeError):
+class StageInputError(RunLayoutError):
     """A stage's input is missing or unusable; the message names the URI and the stage to run first."""
-
-
-def stage_prefix(iteration: int, stage: str) -> str:
-    return f"iter-{iteration:06d}/{stage}"
 
 
 def quiet_transformers() -> None:
@@ -51,25 +43,24 @@ MODEL_CACHE_SIZE = 5
 class StageContext:
     run_uri: str
     iteration: int
-    store: Store = field(repr=False)
+    run: Run = field(repr=False)
     config: Config = field(repr=False)
 
     @classmethod
     def open(cls, run_uri: str, iteration: int) -> "StageContext":
-        store = Store(run_uri)
-        if not store.exists(CONFIG_FILE):
-            raise StageInputError(f"no {CONFIG_FILE} at {store.url(CONFIG_FILE)}: is '{run_uri}' a kfrl run? "
-                                  "`kfrl train` creates it")
-        config = config_from_yaml_text(store.read_text(CONFIG_FILE))
-        return cls(run_uri=run_uri, iteration=iteration, store=store, config=config)
+        run = Run.at(run_uri)
+        return cls(run_uri=run_uri, iteration=iteration, run=run, config=run.config())
+
+    @property
+    def store(self) -> Store:
+        return self.run.store
 
     # --- committed inputs ------------------------------------------------------------------------
     def manifest(self, stage: str, iteration: int | None = None) -> Manifest:
         it = self.iteration if iteration is None else iteration
-        prefix = stage_prefix(it, stage)
-        manifest = self.store.manifest(prefix)
+        manifest = self.run.manifest(stage, it)
         if manifest is None:
-            raise StageInputError(f"stage '{stage}' of iteration {it} is not committed ({self.store.url(prefix)}); "
+            raise StageInputError(f"stage '{stage}' of iteration {it} is not committed ({self.run.url(stage, it)}); "
                                   f"it must run before this one")
         return manifest
 
@@ -105,12 +96,10 @@ class StageContext:
     def checkpoint_manifest(self, stage: str, weights_iteration: int) -> Manifest:
         """The checkpoint ``stage`` committed at ``weights_iteration``, or at the last iteration before it
         where the update ran (an update skipped during critic warm-up leaves the weights as they were)."""
-        for it in range(weights_iteration, INIT_ITERATION - 1, -1):
-            manifest = self.manifest(stage, it)
-            if not manifest.info.get("skipped"):
-                return manifest
-        raise StageInputError(f"no committed {stage} checkpoint at or before iteration {weights_iteration} "
-                              f"in {self.run_uri}")
+        try:
+            return self.run.checkpoint(stage, weights_iteration)[0]
+        except RunLayoutError as err:
+            raise StageInputError(f"{err}; it must run before this one") from err
 
     def policy_manifest(self, weights_iteration: int) -> Manifest:
         """Weights after ``weights_iteration`` iterations (0 = the initial model)."""

@@ -2,7 +2,8 @@
 ``ref_logprob`` (the initial model's log-probs) and ``values`` (the critic's)."""
 from __future__ import annotations
 
-from kfrl.stages.context import INIT_ITERATION, StageContext
+from kfrl.run import INIT_ITERATION
+from kfrl.stages.context import StageContext
 
 
 def _logprobs(ctx: StageContext, weights_iteration: int, with_entropy: bool):

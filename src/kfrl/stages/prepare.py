@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kfrl.config import Config
-from kfrl.stages.context import CONFIG_FILE, CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, stage_prefix
+from kfrl.run import CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, Run, stage_prefix
 from kfrl.store import Store
 
 BUILTIN_DATA = {"builtin:arith"}
@@ -114,8 +114,9 @@ def prepare_critic(store: Store, config: Config) -> None:
 
 
 def prepare_run(store: Store, config: Config) -> None:
-    if not store.exists(CONFIG_FILE):
-        store.write_text(CONFIG_FILE, config.to_yaml())
+    run = Run(store)
+    if not run.has_config():
+        run.write_config(config.to_yaml())
     prepare_policy(store, config)
     prepare_critic(store, config)
     prepare_data(store, config)  # after the policy: filtering overlong prompts needs its tokenizer

@@ -1,0 +1,128 @@
+"""The layout of one training run in the store: the one place that knows where things are.
+
+    {run}/config.yaml                    the resolved config every stage reads
+    {run}/data/train, {run}/data/val     the committed datasets
+    {run}/iter-{N:06d}/{stage}/          each stage's commit (iteration 0: the initial policy/critic)
+    {run}/LATEST                         the last iteration whose stages are committed and recorded
+
+Weights after iteration N are the ``update_actor`` (``update_critic``) commit of N, or, when that
+update was skipped (critic warm-up), of the last iteration before N where it ran.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kfrl.store import Manifest, Store, StoreError, StoreNotFoundError
+
+CONFIG_FILE = "config.yaml"
+LATEST_FILE = "LATEST"
+POLICY_STAGE = "update_actor"
+CRITIC_STAGE = "update_critic"
+INIT_ITERATION = 0
+_ITERATION_DIR = re.compile(r"^iter-(\d{6,})$")
+
+
+class RunLayoutError(RuntimeError):
+    """Something the layout promises is missing; the message names the URI."""
+
+
+def _check_iteration(iteration) -> int:
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+    return iteration
+
+
+def stage_prefix(iteration: int, stage: str) -> str:
+    """1, ``"rollout"`` → ``"iter-000001/rollout"`` (relative to the run)."""
+    return f"iter-{_check_iteration(iteration):06d}/{stage}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run's store (rooted at the run) read through its layout."""
+    store: Store
+
+    @classmethod
+    def at(cls, uri: str, **store_options) -> "Run":
+        return cls(Store(uri, **store_options))
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    def url(self, stage: str, iteration: int) -> str:
+        return self.store.url(stage_prefix(iteration, stage))
+
+    # --- config -----------------------------------------------------------------------------------
+    def has_config(self) -> bool:
+        return self.store.exists(CONFIG_FILE)
+
+    def config_text(self) -> str:
+        try:
+            return self.store.read_text(CONFIG_FILE)
+        except StoreNotFoundError as err:
+            raise RunLayoutError(f"no {CONFIG_FILE} at {self.store.url(CONFIG_FILE)}: is '{self.uri}' a kfrl run? "
+                                 "`kfrl train` creates it") from err
+
+    def config(self):
+        from kfrl.config import config_from_yaml_text
+
+        return config_from_yaml_text(self.config_text())
+
+    def write_config(self, text: str) -> None:
+        self.store.write_text(CONFIG_FILE, text)
+
+    # --- commits ----------------------------------------------------------------------------------
+    def manifest(self, stage: str, iteration: int) -> Manifest | None:
+        return self.store.manifest(stage_prefix(iteration, stage))
+
+    def is_committed(self, stage: str, iteration: int) -> bool:
+        return self.store.is_committed(stage_prefix(iteration, stage))
+
+    def checkpoint(self, stage: str, iteration: int) -> tuple[Manifest, int]:
+        """(manifest, iteration it was written at) of the weights ``stage`` holds after ``iteration``,
+        walking back over iterations where the update was skipped."""
+        for it in range(_check_iteration(iteration), INIT_ITERATION - 1, -1):
+            manifest = self.manifest(stage, it)
+            if manifest is None:
+                after = "" if it == iteration else f", which holds the weights after iteration {iteration}"
+                raise RunLayoutError(f"{stage} of iteration {it} is not committed ({self.url(stage, it)}){after}")
+            if not manifest.info.get("skipped"):
+                return manifest, it
+        raise RunLayoutError(f"every {stage} of run {self.uri} up to iteration {iteration} was skipped; "
+                             "the run has no checkpoint there")
+
+    def iteration_metrics(self, iteration: int, stages: tuple[str, ...]) -> dict[str, float]:
+        """The committed metrics of ``stages`` at ``iteration``; later stages win on a shared name."""
+        metrics: dict[str, float] = {}
+        for stage in stages:
+            manifest = self.manifest(stage, iteration)
+            if manifest is not None:
+                metrics.update({k: float(v) for k, v in manifest.metrics.items()})
+        return metrics
+
+    def committed_iterations(self, stage: str) -> list[int]:
+        """Iterations with a committed ``stage`` (0..LATEST are, by how runs are recorded; probe the rest)."""
+        latest = self.latest()
+        known = set(range(INIT_ITERATION, latest + 1)) if latest is not None else set()
+        for name in self.store.subdirs(""):
+            match = _ITERATION_DIR.match(name)
+            if match and int(match.group(1)) not in known and self.is_committed(stage, int(match.group(1))):
+                known.add(int(match.group(1)))
+        return sorted(known)
+
+    # --- LATEST -----------------------------------------------------------------------------------
+    def latest(self) -> int | None:
+        try:
+            text = self.store.read_text(LATEST_FILE)
+        except StoreNotFoundError:
+            return None
+        try:
+            return int(text.strip())
+        except ValueError as err:
+            raise StoreError(f"{self.store.url(LATEST_FILE)} should hold an iteration number but holds "
+                             f"{text[:40]!r}; fix or delete it") from err
+
+    def set_latest(self, iteration: int) -> None:
+        self.store.write_text(LATEST_FILE, f"{_check_iteration(iteration)}\n")
