@@ -1,4 +1,6 @@
-"""The stage components. Bodies import inside the function: KFP ships only the function's source."""
+"""The stage components: one per stage of kfrl.stages.STAGE_TABLE, plus the fused groups. Each takes
+the run and the iteration and returns its stage's URI; the pipeline orders them with ``.after()``
+from the table. Bodies import inside the function: KFP ships only the function's source."""
 import os
 
 from kfp import dsl
@@ -16,56 +18,55 @@ def rollout_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def gen_max_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+def gen_max_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("gen_max", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def score_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+def score_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("score", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def old_logprob_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+def old_logprob_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("old_logprob", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def ref_logprob_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+def ref_logprob_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("ref_logprob", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def values_op(run_uri: str, iteration: int, rollout_uri: str, metrics: Output[Metrics]) -> str:
+def values_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("values", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def advantage_op(run_uri: str, iteration: int, score_uri: str, gen_max_uri: str, old_logprob_uri: str,
-                 ref_logprob_uri: str, values_uri: str, metrics: Output[Metrics]) -> str:
+def advantage_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("advantage", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def update_critic_op(run_uri: str, iteration: int, advantage_uri: str, metrics: Output[Metrics]) -> str:
+def update_critic_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("update_critic", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def update_actor_op(run_uri: str, iteration: int, advantage_uri: str, metrics: Output[Metrics]) -> str:
+def update_actor_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("update_actor", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def validate_op(run_uri: str, iteration: int, policy_uri: str, metrics: Output[Metrics]) -> str:
+def validate_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_for_kfp
     return run_for_kfp("validate", run_uri, iteration, metrics)
 
@@ -78,7 +79,7 @@ def infer_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def train_op(run_uri: str, iteration: int, infer_uri: str, metrics: Output[Metrics]) -> str:
+def train_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
     from kfrl.stages.kfp_entry import run_group_for_kfp
     return run_group_for_kfp("train", run_uri, iteration, metrics)
 

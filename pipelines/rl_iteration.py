@@ -9,7 +9,8 @@
 Everything that reads only the rollout (scoring, ReMax's greedy baseline, the old/reference
 log-probs, the critic's values) is a parallel branch; the critic and actor updates are too.
 
-``rl_iteration_fused`` runs the same stage functions as two tasks, ``infer`` (rollout to values)
+The edges are derived from ``kfrl.stages.STAGE_TABLE`` (what each stage reads or needs), not
+written here. ``rl_iteration_fused`` runs the same stage functions as two tasks, ``infer`` (rollout to values)
 then ``train`` (advantage and both updates), and ``rl_iteration_single`` as one task, so weights
 and imports are loaded once per task (config ``pipeline.fuse``). A stage the algorithm does not
 need (no KL → no reference; no GAE → no critic; not ReMax → no greedy baseline; the on-policy
@@ -34,6 +35,7 @@ from kfrl.components.stages import (
     validate_op,
     values_op,
 )
+from kfrl.stages import pipeline_edges
 
 PIPELINE_NAME = "kfrl-rl-iteration"
 FUSED_PIPELINE_NAME = "kfrl-rl-iteration-fused"
@@ -50,25 +52,22 @@ def _task(task, name: str):
     return task
 
 
+STAGE_OPS = {"rollout": rollout_op, "gen_max": gen_max_op, "score": score_op, "old_logprob": old_logprob_op,
+             "ref_logprob": ref_logprob_op, "values": values_op, "advantage": advantage_op,
+             "update_critic": update_critic_op, "update_actor": update_actor_op, "validate": validate_op}
+
+
 @dsl.pipeline(name=PIPELINE_NAME, description="One veRL-style RL iteration: rollout, then score, "
               "greedy baseline, old/ref log-probs and critic values in parallel, advantage, then the critic "
               "and actor updates. Inputs and outputs live in the run's store.")
 def rl_iteration(run_uri: str, iteration: int) -> str:
-    rollout = _task(rollout_op(run_uri=run_uri, iteration=iteration), "rollout")
-    branches = {name: _task(op(run_uri=run_uri, iteration=iteration, rollout_uri=rollout.outputs["Output"]), name)
-                for name, op in (("score", score_op), ("gen_max", gen_max_op), ("old_logprob", old_logprob_op),
-                                 ("ref_logprob", ref_logprob_op), ("values", values_op))}
-    adv = _task(advantage_op(run_uri=run_uri, iteration=iteration, score_uri=branches["score"].outputs["Output"],
-                             gen_max_uri=branches["gen_max"].outputs["Output"],
-                             old_logprob_uri=branches["old_logprob"].outputs["Output"],
-                             ref_logprob_uri=branches["ref_logprob"].outputs["Output"],
-                             values_uri=branches["values"].outputs["Output"]), "advantage")
-    _task(update_critic_op(run_uri=run_uri, iteration=iteration, advantage_uri=adv.outputs["Output"]),
-          "update_critic")
-    update = _task(update_actor_op(run_uri=run_uri, iteration=iteration, advantage_uri=adv.outputs["Output"]),
-                   "update_actor")
-    _task(validate_op(run_uri=run_uri, iteration=iteration, policy_uri=update.outputs["Output"]), "validate")
-    return update.outputs["Output"]
+    # Every edge comes from kfrl.stages.STAGE_TABLE: a stage runs after the stages it reads or needs.
+    tasks = {}
+    for stage, upstream in pipeline_edges().items():
+        tasks[stage] = _task(STAGE_OPS[stage](run_uri=run_uri, iteration=iteration), stage)
+        for name in upstream:
+            tasks[stage].after(tasks[name])
+    return tasks["update_actor"].outputs["Output"]
 
 
 @dsl.pipeline(name=FUSED_PIPELINE_NAME, description="One veRL-style RL iteration in two fused tasks: "
@@ -76,7 +75,7 @@ def rl_iteration(run_uri: str, iteration: int) -> str:
               "critic and actor updates).")
 def rl_iteration_fused(run_uri: str, iteration: int) -> str:
     infer = _task(infer_op(run_uri=run_uri, iteration=iteration), "infer")
-    train = _task(train_op(run_uri=run_uri, iteration=iteration, infer_uri=infer.outputs["Output"]), "train")
+    train = _task(train_op(run_uri=run_uri, iteration=iteration), "train").after(infer)
     return train.outputs["Output"]
 
 
@@ -89,7 +88,7 @@ def rl_iteration_single(run_uri: str, iteration: int) -> str:
 @dsl.pipeline(name=VALIDATE_PIPELINE_NAME, description="Validate the policy after an iteration (0 = the "
               "initial policy) on the run's validation data; metrics val-core/<data_source>/...")
 def rl_validate(run_uri: str, iteration: int) -> str:
-    return _task(validate_op(run_uri=run_uri, iteration=iteration, policy_uri=""), "validate").outputs["Output"]
+    return _task(validate_op(run_uri=run_uri, iteration=iteration), "validate").outputs["Output"]
 
 
 PIPELINES = {"rl_iteration": rl_iteration, "rl_iteration_fused": rl_iteration_fused,

@@ -15,15 +15,12 @@ from pathlib import Path
 
 from kfrl.config import Config
 from kfrl.run import POLICY_STAGE, Run
-from kfrl.stages import STAGES, TIMING_NAMES, plan, skip_reason
+from kfrl.stages import METRIC_ORDER, STAGES, TIMING_NAMES, plan, skip_reason
 from kfrl.store import Store
 
 # Sections that say where and how a run executes, not what it computes: a resumed run takes them
 # from the current invocation, everything else from the stored config.
 EXECUTION_SECTIONS = ("store", "tracking", "pipeline")
-# Later entries win when stages report the same metric (veRL reports actor/entropy from old_log_prob).
-METRIC_ORDER = ("rollout", "gen_max", "score", "ref_logprob", "values", "advantage", "update_critic", "update_actor",
-                "old_logprob", "validate")
 
 
 def new_run_id() -> str:

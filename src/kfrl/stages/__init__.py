@@ -15,57 +15,62 @@ from typing import Callable
 from kfrl.run import stage_prefix
 from kfrl.stages.context import StageContext, StageInputError
 
-# Execution order within one iteration (a valid topological order of the DAG; veRL's step order).
-INFER_STAGES = ("rollout", "gen_max", "score", "old_logprob", "ref_logprob", "values")
-TRAIN_STAGES = ("advantage", "update_critic", "update_actor", "validate")
-STAGES = INFER_STAGES + TRAIN_STAGES
 
-# Fused components: stages that share a process, so weights and imports are loaded once.
-FUSED_GROUPS = {"infer": INFER_STAGES, "train": TRAIN_STAGES, "iteration": STAGES}
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of the iteration: the single place its inputs, output, order and skip rule live.
 
-# veRL's timing_s/<name> for each stage, so kfrl runs compare with veRL runs.
-TIMING_NAMES = {"rollout": "gen", "gen_max": "gen_max", "score": "reward", "old_logprob": "old_log_prob",
-                "ref_logprob": "ref", "values": "values", "advantage": "adv", "update_critic": "update_critic",
-                "update_actor": "update_actor", "validate": "testing"}
+    ``run(ctx, inputs, attempt)`` gets the join of the ``reads`` column groups (producers that were
+    skipped left out; None when it reads none) and returns ``(columns, metrics)``: ``run_stage``
+    writes the columns as the ``writes`` group. A stage that commits a checkpoint (``writes`` None)
+    uploads it into ``attempt`` itself; any stage may add manifest ``info`` to the attempt.
+    """
+    name: str
+    module: str                    # kfrl.stages.<module>.<name> is the function (imported when run)
+    reads: tuple[str, ...]         # column groups joined into the inputs
+    writes: str | None             # the column group it commits (None: a checkpoint)
+    timing: str                    # veRL's timing_s/<timing> for this stage
+    after: tuple[str, ...] = ()    # stages it needs beyond those it reads (a checkpoint, the policy)
+    skip: Callable[..., str] = lambda config, iteration: ""
+    metric_precedence: int = 0     # on a metric name two stages report, the higher precedence wins
 
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.reads + self.after))
 
-@dataclass
-class StageResult:
-    stage: str
-    uri: str
-    metrics: dict
-    cached: bool     # already committed before this call
-    skipped: str     # why the algorithm does not need it ("" when it ran)
+    def function(self) -> Callable:
+        import importlib
 
-
-def _functions() -> dict[str, Callable]:
-    from kfrl.stages.advantage import advantage
-    from kfrl.stages.logprob import old_logprob, ref_logprob, values
-    from kfrl.stages.rollout import gen_max, rollout
-    from kfrl.stages.score import score
-    from kfrl.stages.update import update_actor, update_critic
-    from kfrl.stages.validate import validate
-
-    return {"rollout": rollout, "gen_max": gen_max, "score": score, "old_logprob": old_logprob,
-            "ref_logprob": ref_logprob, "values": values, "advantage": advantage, "update_critic": update_critic,
-            "update_actor": update_actor, "validate": validate}
+        return getattr(importlib.import_module(f"kfrl.stages.{self.module}"), self.name)
 
 
-def skip_reason(stage: str, config, iteration: int | None = None) -> str:
-    """Why ``stage`` is not needed under ``config`` ("" when it is); ``iteration`` matters only for
-    the actor's critic warm-up (None = a steady-state iteration)."""
-    if stage == "ref_logprob" and not config.use_ref:
-        return "no KL term uses a reference policy (actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)"
-    if stage == "old_logprob" and not config.recompute_old_logprobs:
-        return "on-policy: one mini-batch and one epoch make old log-probs equal to the update's own"
-    if stage in ("values", "update_critic") and not config.use_critic:
-        return f"no critic: algorithm.adv_estimator={config.algorithm.adv_estimator} does not use values"
-    if stage == "gen_max" and config.algorithm.adv_estimator != "remax":
-        return "greedy baselines are only for algorithm.adv_estimator=remax"
-    if stage == "validate":
-        return validation_skip_reason(config, iteration)
+def _no_ref(config, iteration) -> str:
+    if config.use_ref:
+        return ""
+    return "no KL term uses a reference policy (actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)"
+
+
+def _on_policy(config, iteration) -> str:
+    if config.recompute_old_logprobs:
+        return ""
+    return "on-policy: one mini-batch and one epoch make old log-probs equal to the update's own"
+
+
+def _no_critic(config, iteration) -> str:
+    if config.use_critic:
+        return ""
+    return f"no critic: algorithm.adv_estimator={config.algorithm.adv_estimator} does not use values"
+
+
+def _not_remax(config, iteration) -> str:
+    if config.algorithm.adv_estimator == "remax":
+        return ""
+    return "greedy baselines are only for algorithm.adv_estimator=remax"
+
+
+def _critic_warmup(config, iteration) -> str:
     warmup = config.trainer.critic_warmup
-    if stage == "update_actor" and iteration is not None and iteration < warmup:
+    if iteration is not None and iteration < warmup:
         return f"critic warm-up: the actor is updated from iteration {warmup} (trainer.critic_warmup)"
     return ""
 
@@ -86,14 +91,77 @@ def validation_skip_reason(config, iteration: int | None) -> str:
     return f"not a validation iteration (every {trainer.test_freq}, trainer.test_freq, and the last)"
 
 
+# The iteration's graph, in execution order (a topological order; veRL's step order). The KFP
+# pipeline's edges, the timing names, the metric order and the fused groups all come from here.
+STAGE_TABLE: tuple[StageSpec, ...] = (
+    StageSpec("rollout", "rollout", reads=(), writes="rollout", timing="gen"),
+    StageSpec("gen_max", "rollout", reads=("rollout",), writes="gen_max", timing="gen_max", skip=_not_remax),
+    StageSpec("score", "score", reads=("rollout",), writes="score", timing="reward"),
+    StageSpec("old_logprob", "logprob", reads=("rollout",), writes="old_logprob", timing="old_log_prob",
+              skip=_on_policy, metric_precedence=1),  # veRL reports actor/entropy from old_log_prob
+    StageSpec("ref_logprob", "logprob", reads=("rollout",), writes="ref_logprob", timing="ref", skip=_no_ref),
+    StageSpec("values", "logprob", reads=("rollout",), writes="values", timing="values", skip=_no_critic),
+    StageSpec("advantage", "advantage",
+              reads=("rollout", "score", "old_logprob", "ref_logprob", "values", "gen_max"),
+              writes="advantage", timing="adv"),
+    StageSpec("update_critic", "update", reads=("rollout", "values", "advantage"), writes=None,
+              timing="update_critic", skip=_no_critic),
+    StageSpec("update_actor", "update", reads=("rollout", "advantage", "old_logprob", "ref_logprob"), writes=None,
+              timing="update_actor", skip=_critic_warmup),
+    StageSpec("validate", "validate", reads=(), writes="validate", timing="testing", after=("update_actor",),
+              skip=validation_skip_reason),
+)
+SPECS = {spec.name: spec for spec in STAGE_TABLE}
+STAGES = tuple(SPECS)
+INFER_STAGES = ("rollout", "gen_max", "score", "old_logprob", "ref_logprob", "values")
+TRAIN_STAGES = tuple(s for s in STAGES if s not in INFER_STAGES)
+# Fused components: stages that share a process, so weights and imports are loaded once.
+FUSED_GROUPS = {"infer": INFER_STAGES, "train": TRAIN_STAGES, "iteration": STAGES}
+# veRL's timing_s/<name> for each stage, so kfrl runs compare with veRL runs.
+TIMING_NAMES = {spec.name: spec.timing for spec in STAGE_TABLE}
+# The order in which an iteration's stage metrics are merged: later entries win on a shared name.
+METRIC_ORDER = tuple(spec.name for spec in sorted(STAGE_TABLE, key=lambda spec: spec.metric_precedence))
+
+
+def pipeline_edges() -> dict[str, tuple[str, ...]]:
+    """Each stage's direct predecessors in the pipeline: its needs, less those another need implies."""
+    def ancestors(stage: str) -> set[str]:
+        found: set[str] = set()
+        for need in SPECS[stage].needs:
+            found |= {need} | ancestors(need)
+        return found
+
+    return {spec.name: tuple(n for n in spec.needs
+                             if not any(n in ancestors(other) for other in spec.needs if other != n))
+            for spec in STAGE_TABLE}
+
+
+@dataclass
+class StageResult:
+    stage: str
+    uri: str
+    metrics: dict
+    cached: bool     # already committed before this call
+    skipped: str     # why the algorithm does not need it ("" when it ran)
+
+
+def skip_reason(stage: str, config, iteration: int | None = None) -> str:
+    """Why ``stage`` is not needed under ``config`` ("" when it is); ``iteration`` matters only for
+    the actor's critic warm-up and validation (None = a steady-state iteration)."""
+    return SPECS[stage].skip(config, iteration)
+
+
 def plan(config) -> dict[str, str]:
     """Stage → "" (runs) or the reason it is skipped, in a steady-state iteration."""
     return {stage: skip_reason(stage, config) for stage in STAGES}
 
 
 def run_stage(stage: str, run_uri: str, iteration: int) -> StageResult:
-    if stage not in STAGES:
+    """Run one stage of one iteration, unless it is committed already: read its inputs, call it,
+    write its column group, commit. A skipped stage commits its reason."""
+    if stage not in SPECS:
         raise ValueError(f"unknown stage '{stage}'; stages are {', '.join(STAGES)}")
+    spec = SPECS[stage]
     ctx = StageContext.open(run_uri, iteration)
     prefix = stage_prefix(iteration, stage)
     existing = ctx.store.manifest(prefix)
@@ -101,15 +169,21 @@ def run_stage(stage: str, run_uri: str, iteration: int) -> StageResult:
         return StageResult(stage, ctx.store.url(prefix), dict(existing.metrics), True,
                            existing.info.get("skipped", ""))
     attempt = ctx.store.open_attempt(prefix)
-    reason = skip_reason(stage, ctx.config, iteration)
+    reason = spec.skip(ctx.config, iteration)
     if reason:
         attempt.commit(info={"skipped": reason})
         return StageResult(stage, ctx.store.url(prefix), {}, False, reason)
     started = time.perf_counter()
-    metrics = _functions()[stage](ctx, attempt)
-    metrics[f"timing_s/{TIMING_NAMES[stage]}"] = time.perf_counter() - started
+    inputs = ctx.read_groups(*spec.reads) if spec.reads else None
+    columns, metrics = spec.function()(ctx, inputs, attempt)
+    if spec.writes is not None:
+        from kfrl import batch
+
+        batch.write_group(attempt, spec.writes, batch.make_table(spec.writes, columns))
+    metrics[f"timing_s/{spec.timing}"] = time.perf_counter() - started
     manifest = attempt.commit(metrics=metrics, info={"iteration": iteration})
     return StageResult(stage, ctx.store.url(prefix), dict(manifest.metrics), False, "")
 
 
-__all__ = ["FUSED_GROUPS", "STAGES", "TIMING_NAMES", "StageResult", "StageInputError", "plan", "run_stage", "skip_reason"]
+__all__ = ["FUSED_GROUPS", "METRIC_ORDER", "SPECS", "STAGES", "STAGE_TABLE", "StageSpec", "TIMING_NAMES",
+           "StageResult", "StageInputError", "pipeline_edges", "plan", "run_stage", "skip_reason"]

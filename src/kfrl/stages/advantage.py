@@ -69,7 +69,7 @@ def explained_variance(returns, values, mask) -> float | None:
     return float(1.0 - torch.var(r - v) / (torch.var(r) + 1e-5))
 
 
-def advantage(ctx: StageContext, attempt) -> dict[str, float]:
+def advantage(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     import torch
 
     from kfrl import batch
@@ -78,7 +78,6 @@ def advantage(ctx: StageContext, attempt) -> dict[str, float]:
 
     cfg = ctx.config
     algo = cfg.algorithm
-    table = ctx.read_groups("rollout", "score", "old_logprob", "ref_logprob", "values", "gen_max")
     names = set(table.column_names)
     mask = batch.to_torch_padded(table, "response_mask").float()
     width = mask.shape[1]
@@ -110,9 +109,8 @@ def advantage(ctx: StageContext, attempt) -> dict[str, float]:
     def unpad(t):
         return [row[:n].tolist() for row, n in zip(t, lengths)]
 
-    batch.write_group(attempt, "advantage", batch.make_table("advantage", {
-        "sample_id": table.column("sample_id").to_pylist(), "token_level_rewards": unpad(rewards),
-        "advantages": unpad(advantages), "returns": unpad(returns)}))
+    columns = {"sample_id": table.column("sample_id").to_pylist(), "token_level_rewards": unpad(rewards),
+               "advantages": unpad(advantages), "returns": unpad(returns)}
     sequence_rewards = rewards.sum(-1)
     metrics.update({"critic/rewards/mean": float(sequence_rewards.mean()),
                     "critic/rewards/max": float(sequence_rewards.max()),
@@ -124,4 +122,4 @@ def advantage(ctx: StageContext, attempt) -> dict[str, float]:
         explained = explained_variance(returns, values, mask)
         if explained is not None:
             metrics["critic/vf_explained_var"] = explained
-    return metrics
+    return columns, metrics

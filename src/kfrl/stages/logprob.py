@@ -6,10 +6,9 @@ from kfrl.run import INIT_ITERATION
 from kfrl.stages.context import StageContext
 
 
-def _logprobs(ctx: StageContext, weights_iteration: int, with_entropy: bool):
+def _logprobs(ctx: StageContext, table, weights_iteration: int, with_entropy: bool):
     from kfrl.engines.inference import compute_logprobs
 
-    table = ctx.read_groups("rollout")
     manifest = ctx.policy_manifest(weights_iteration)
     tokenizer = ctx.load_tokenizer(manifest)
     model = ctx.load_model(manifest)
@@ -20,38 +19,29 @@ def _logprobs(ctx: StageContext, weights_iteration: int, with_entropy: bool):
         micro_batch_size=ctx.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=with_entropy,
         autocast_dtype=ctx.compute_dtype,
     )
-    return table, logprobs, entropy
+    return logprobs, entropy
 
 
-def old_logprob(ctx: StageContext, attempt) -> dict[str, float]:
-    from kfrl import batch
-
-    table, logprobs, entropy = _logprobs(ctx, ctx.iteration - 1, with_entropy=True)
+def old_logprob(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
+    logprobs, entropy = _logprobs(ctx, table, ctx.iteration - 1, with_entropy=True)
     masks = table.column("response_mask").to_pylist()
-    batch.write_group(attempt, "old_logprob", batch.make_table("old_logprob", {
-        "sample_id": table.column("sample_id").to_pylist(), "old_logprobs": logprobs, "entropy": entropy}))
     # Token-mean over the whole batch, as veRL's actor/entropy.
     total = sum(e * m for row, mask in zip(entropy, masks) for e, m in zip(row, mask))
     count = sum(sum(mask) for mask in masks)
-    return {"actor/entropy": total / max(count, 1)}
+    columns = {"sample_id": table.column("sample_id").to_pylist(), "old_logprobs": logprobs, "entropy": entropy}
+    return columns, {"actor/entropy": total / max(count, 1)}
 
 
-def ref_logprob(ctx: StageContext, attempt) -> dict[str, float]:
-    from kfrl import batch
-
-    table, logprobs, _ = _logprobs(ctx, INIT_ITERATION, with_entropy=False)
-    batch.write_group(attempt, "ref_logprob", batch.make_table("ref_logprob", {
-        "sample_id": table.column("sample_id").to_pylist(), "ref_logprobs": logprobs}))
-    return {}
+def ref_logprob(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
+    logprobs, _ = _logprobs(ctx, table, INIT_ITERATION, with_entropy=False)
+    return {"sample_id": table.column("sample_id").to_pylist(), "ref_logprobs": logprobs}, {}
 
 
-def values(ctx: StageContext, attempt) -> dict[str, float]:
+def values(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     """Stage ``values``: the critic's value of every response token (0 at masked positions)."""
-    from kfrl import batch
     from kfrl.engines.critic import compute_values
 
     cfg = ctx.config
-    table = ctx.read_groups("rollout")
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
     model = ctx.load_critic(ctx.critic_manifest(ctx.iteration - 1))
     result = compute_values(
@@ -59,6 +49,4 @@ def values(ctx: StageContext, attempt) -> dict[str, float]:
         table.column("response_mask").to_pylist(), pad_id=tokenizer.pad_token_id or 0,
         micro_batch_size=cfg.critic.forward_micro_batch_size_per_gpu or cfg.critic.ppo_micro_batch_size_per_gpu,
         autocast_dtype=ctx.compute_dtype)
-    batch.write_group(attempt, "values", batch.make_table("values", {
-        "sample_id": table.column("sample_id").to_pylist(), "values": result}))
-    return {}
+    return {"sample_id": table.column("sample_id").to_pylist(), "values": result}, {}

@@ -75,7 +75,7 @@ def kept_groups(uids: list[str], values: np.ndarray, n: int) -> list[int]:
     return kept
 
 
-def rollout(ctx: StageContext, attempt) -> dict[str, float]:
+def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]:
     from kfrl import batch
     from kfrl.engines.rollout import SamplingParams
 
@@ -150,7 +150,6 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
             columns["ground_truth"].append(ground_truth_of(record))
             columns["extra_info"].append(json.dumps(record.get("extra_info") or {}, default=str))
             columns["raw_prompt"].append(json.dumps(prompt_messages(record, cfg.data.prompt_key, uid), default=str))
-    batch.write_group(attempt, "rollout", batch.make_table("rollout", columns))
     attempt.info["data_batch_end"] = start + n_gen_batches - 1
     attempt.info["rollout_backend"] = engine.name
 
@@ -173,7 +172,7 @@ def rollout(ctx: StageContext, attempt) -> dict[str, float]:
     }
     if dynamic:
         metrics["train/num_gen_batches"] = float(n_gen_batches)
-    return metrics
+    return columns, metrics
 
 
 def _filter(ctx: StageContext, gen: GenBatch, tokenizer) -> list[int]:
@@ -190,15 +189,13 @@ def _filter(ctx: StageContext, gen: GenBatch, tokenizer) -> list[int]:
     return kept_groups(gen.uids, group_filter_values(cfg, scored), n)
 
 
-def gen_max(ctx: StageContext, attempt) -> dict[str, float]:
+def gen_max(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     """Stage ``gen_max`` (ReMax): a greedy response to each prompt of the rollout, scored with the
     same reward; its score is the baseline of every sampled response to that prompt."""
-    from kfrl import batch
     from kfrl.engines.rollout import SamplingParams
     from kfrl.stages.score import score_rows
 
     cfg = ctx.config
-    table = ctx.read_groups("rollout")
     uids = table.column("uid").to_pylist()
     first_of_group: dict[str, int] = {}
     for row, uid in enumerate(uids):
@@ -217,6 +214,5 @@ def gen_max(ctx: StageContext, attempt) -> dict[str, float]:
     scored = score_rows(ctx, tokenizer, responses, column("data_source"), column("ground_truth"),
                         column("extra_info"), column("raw_prompt"))
     baseline = {uid: s.score for uid, s in zip(first_of_group, scored)}
-    batch.write_group(attempt, "gen_max", batch.make_table("gen_max", {
-        "sample_id": table.column("sample_id").to_pylist(), "reward_baselines": [baseline[u] for u in uids]}))
-    return {"critic/reward_baselines/mean": float(np.mean(list(baseline.values())))}
+    columns = {"sample_id": table.column("sample_id").to_pylist(), "reward_baselines": [baseline[u] for u in uids]}
+    return columns, {"critic/reward_baselines/mean": float(np.mean(list(baseline.values())))}

@@ -46,17 +46,13 @@ def score_rows(ctx: StageContext, tokenizer, response_ids: list[list[int]], data
         raw_prompts=raw_prompts if cfg.data.return_raw_chat else None, model_scores=model_scores)
 
 
-def score(ctx: StageContext, attempt) -> dict[str, float]:
-    from kfrl import batch
-
-    table = ctx.read_groups("rollout")
+def score(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(ctx.iteration - 1))
     scored = score_rows(ctx, tokenizer, table.column("response_ids").to_pylist(),
                         table.column("data_source").to_pylist(), table.column("ground_truth").to_pylist(),
                         table.column("extra_info").to_pylist(), table.column("raw_prompt").to_pylist())
-    batch.write_group(attempt, "score", batch.make_table("score", {
-        "sample_id": table.column("sample_id").to_pylist(), "score": [s.score for s in scored],
-        "acc": [s.acc for s in scored], "reward_extra": [json.dumps(s.extra, default=str) for s in scored]}))
+    columns = {"sample_id": table.column("sample_id").to_pylist(), "score": [s.score for s in scored],
+               "acc": [s.acc for s in scored], "reward_extra": [json.dumps(s.extra, default=str) for s in scored]}
     scores = np.array([s.score for s in scored], dtype=np.float64)
     metrics = {
         "critic/score/mean": float(scores.mean()),
@@ -65,4 +61,4 @@ def score(ctx: StageContext, attempt) -> dict[str, float]:
         "critic/acc/mean": float(np.mean([s.acc for s in scored])),
     }
     metrics.update(extra_metrics([s.extra for s in scored]))
-    return metrics
+    return columns, metrics

@@ -44,7 +44,7 @@ def save_checkpoint(ctx: StageContext, attempt, model, tokenizer, optimizer, sta
     return time.perf_counter() - started
 
 
-def update_actor(ctx: StageContext, attempt) -> dict[str, float]:
+def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:
     from kfrl.engines.actor import UpdateBatch
     from kfrl.engines.actor import update_actor as run_update
 
@@ -55,7 +55,6 @@ def update_actor(ctx: StageContext, attempt) -> dict[str, float]:
     optimizer = make_optimizer(model, cfg.actor)
     load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous))
 
-    table = ctx.read_groups("rollout", "advantage", "old_logprob", "ref_logprob")
     names = set(table.column_names)
     data = UpdateBatch(
         prompts=table.column("prompt_ids").to_pylist(),
@@ -72,10 +71,10 @@ def update_actor(ctx: StageContext, attempt) -> dict[str, float]:
         "policy_version": ctx.iteration,
         "optimizer_steps": _steps_before(ctx, previous) + cfg.n_mini_batches * cfg.actor.ppo_epochs,
     })
-    return metrics
+    return None, metrics
 
 
-def update_critic(ctx: StageContext, attempt) -> dict[str, float]:
+def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:
     from kfrl.engines.critic import CriticBatch
     from kfrl.engines.critic import update_critic as run_update
 
@@ -86,7 +85,6 @@ def update_critic(ctx: StageContext, attempt) -> dict[str, float]:
     optimizer = make_optimizer(model, cfg.critic)
     load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous))
 
-    table = ctx.read_groups("rollout", "values", "advantage")
     data = CriticBatch(
         prompts=table.column("prompt_ids").to_pylist(),
         responses=table.column("response_ids").to_pylist(),
@@ -103,7 +101,7 @@ def update_critic(ctx: StageContext, attempt) -> dict[str, float]:
     n_steps = (cfg.data.train_batch_size // cfg.critic_mini_batch_size) * cfg.critic_ppo_epochs
     metrics["timing_s/save_checkpoint_critic"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {
         "optimizer_steps": _steps_before(ctx, previous) + n_steps})
-    return metrics
+    return None, metrics
 
 
 def _steps_before(ctx: StageContext, manifest) -> int:

@@ -35,8 +35,7 @@ def validation_metrics(data_sources: list[str], scores: list[float], accs: list[
     return metrics
 
 
-def validate(ctx: StageContext, attempt) -> dict[str, float]:
-    from kfrl import batch
+def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]:
     from kfrl.data.dataset import ground_truth_of, prompt_messages, tokenize_prompt
     from kfrl.engines.rollout import SamplingParams
     from kfrl.stages.rollout import read_dataset
@@ -66,10 +65,10 @@ def validate(ctx: StageContext, attempt) -> dict[str, float]:
     scored = score_rows(ctx, tokenizer, responses, data_sources, truths,
                         [records[i].get("extra_info") for i in expanded],
                         [json.dumps(messages[i], default=str) for i in expanded])
-    batch.write_group(attempt, "validate", batch.make_table("validate", {
+    columns = {
         "sample_id": [f"val-{i}-s{k}" for i in range(len(records)) for k in range(kw.n)],
         "data_source": data_sources, "prompt_ids": [prompts[i] for i in expanded], "response_ids": responses,
         "ground_truth": truths, "score": [s.score for s in scored], "acc": [s.acc for s in scored],
-        "reward_extra": [json.dumps(s.extra, default=str) for s in scored]}))
-    return validation_metrics(data_sources, [s.score for s in scored], [s.acc for s in scored],
+        "reward_extra": [json.dumps(s.extra, default=str) for s in scored]}
+    return columns, validation_metrics(data_sources, [s.score for s in scored], [s.acc for s in scored],
                               [s.extra for s in scored], [len(r) for r in responses], kw.n)
