@@ -101,3 +101,20 @@ def test_cluster_runner_submits_compiled_pipeline_with_arguments():
             assert "FAILED" in str(err)
     finally:
         server.shutdown()
+
+
+def test_stage_table_is_consistent_and_the_docs_carry_its_graph():
+    from kfrl import batch
+    from kfrl.stages import GRAPH_END, GRAPH_START, METRIC_ORDER, STAGE_TABLE, STAGES, stage_graph
+
+    seen: set[str] = set()
+    for spec in STAGE_TABLE:
+        assert set(spec.needs) <= seen, f"{spec.name} needs a stage that runs after it"
+        assert spec.writes is None or spec.writes in batch.GROUPS
+        assert callable(spec.function())
+        seen.add(spec.name)
+    # veRL reports actor/entropy from old_log_prob: its metrics are merged after the update's.
+    assert set(METRIC_ORDER) == set(STAGES) and METRIC_ORDER.index("old_logprob") > METRIC_ORDER.index("update_actor")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    assert f"{GRAPH_START}\n{stage_graph()}\n{GRAPH_END}" in doc, \
+        "docs/architecture.md's stage graph is stale: run `python -m kfrl.stages docs/architecture.md`"
