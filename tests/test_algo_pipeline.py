@@ -221,25 +221,6 @@ def test_score_responses_shapes_and_logs_extras():
     assert out[0].extra == {"overlong_reward": -0.5, "overlong": True}
 
 
-def test_group_filter_keeps_groups_with_spread_and_singletons():
-    from kfrl.stages.rollout import kept_groups
-
-    values = np.array([1, 1, 0, 1, 0, 0, 1, 1])
-    assert kept_groups(["a", "b", "c", "d"], values, 2) == [1]
-    assert kept_groups(["a", "b"], np.array([1.0, 1.0]), 1) == [0, 1]
-
-
-def test_explained_variance_matches_verl_formula():
-    from kfrl.stages.advantage import explained_variance
-
-    returns = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 9.0]])
-    values = torch.tensor([[1.5, 2.0, 0.0], [2.0, 4.5, 0.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    r = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    v = torch.tensor([1.5, 2.0, 2.0, 4.5])
-    assert explained_variance(returns, values, mask) == pytest.approx(float(1 - (r - v).var() / (r.var() + 1e-5)))
-
-
 def test_critic_values_sit_at_the_position_before_each_token_and_micro_batching_is_exact(tiny_model_dir):
     from kfrl.engines.critic import CriticBatch, compute_values, forward_values, update_critic
     from kfrl.engines.inference import PaddedBatch

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -711,3 +712,29 @@ def test_cuda_matches_cpu():
             assert gpu_metrics.keys() == cpu_metrics.keys()
     for kind in KL_KINDS:
         close(kl_penalty(LOGP.cuda(), REF.cuda(), kind).cpu(), kl_penalty(LOGP, REF, kind))
+
+
+def test_group_filter_keeps_groups_with_spread_and_singletons():
+    from kfrl.algos.shaping import kept_groups
+
+    values = np.array([1, 1, 0, 1, 0, 0, 1, 1])
+    assert kept_groups(values, 2) == [1]
+    assert kept_groups(np.array([1.0, 1.0]), 1) == [0, 1]
+
+
+def test_explained_variance_matches_verl_formula():
+    from kfrl.algos.shaping import explained_variance
+
+    returns = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 9.0]])
+    values = torch.tensor([[1.5, 2.0, 0.0], [2.0, 4.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    r = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    v = torch.tensor([1.5, 2.0, 2.0, 4.5])
+    assert explained_variance(returns, values, mask) == pytest.approx(float(1 - (r - v).var() / (r.var() + 1e-5)))
+
+
+def test_outcome_rewards_put_the_score_on_the_last_response_token():
+    from kfrl.algos.shaping import outcome_rewards
+
+    rewards = outcome_rewards([1.0, 0.5, 2.0], [3, 1, 0], 4)
+    assert rewards.tolist() == [[0, 0, 1.0, 0], [0.5, 0, 0, 0], [2.0, 0, 0, 0]]

@@ -11,25 +11,15 @@ with tensor ops over the batch, exactly like veRL's loop.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from kfrl.algos.core import masked_whiten, resolve_choice
 
-ESTIMATORS: tuple[str, ...] = (
-    "gae",
-    "grpo",
-    "rloo",
-    "opo",
-    "gpg",
-    "grpo_passk",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-)
 
 
 @dataclass(frozen=True)
@@ -228,8 +218,95 @@ def remax_advantage(rewards, mask, reward_baselines):
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatcher.
+# The registry (veRL's @register_adv_est): each estimator by name, called with AdvantageInputs.
 # ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdvantageInputs:
+    """What any estimator may read: rewards and mask (bs, L), prompt-group ids, critic values,
+    greedy baselines and the knobs. ``scores`` and ``groups`` are derived on first use."""
+
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    index: Sequence[Any] | None
+    values: torch.Tensor | None
+    reward_baselines: torch.Tensor | None
+    gamma: float
+    lam: float
+    norm_adv_by_std: bool
+    epsilon: float
+
+    @cached_property
+    def scores(self) -> torch.Tensor:
+        return self.rewards.sum(dim=-1)
+
+    @cached_property
+    def groups(self) -> _Groups:
+        return _prompt_groups(self.index, self.scores.shape[0], self.scores.device, self.scores.dtype)
+
+
+_REGISTRY: dict[str, Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def register_adv_est(name: str):
+    """Registers an estimator ``fn(AdvantageInputs) -> (advantages, returns)`` under ``name``."""
+    def register(fn):
+        if name in _REGISTRY:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        _REGISTRY[name] = fn
+        return fn
+    return register
+
+
+@register_adv_est("gae")
+def _gae(x: AdvantageInputs):
+    if x.values is None:
+        raise ValueError("gae needs `values` (bs, L): the critic's value of each response token")
+    return gae_advantage(x.rewards, x.values.detach().to(x.rewards.dtype), x.mask, x.gamma, x.lam)
+
+
+@register_adv_est("grpo")
+def _grpo(x: AdvantageInputs):
+    return grpo_advantage(x.scores, x.mask, x.groups, x.norm_adv_by_std, x.epsilon)
+
+
+@register_adv_est("rloo")
+def _rloo(x: AdvantageInputs):
+    return rloo_advantage(x.scores, x.mask, x.groups)
+
+
+@register_adv_est("opo")
+def _opo(x: AdvantageInputs):
+    return opo_advantage(x.scores, x.mask, x.groups)
+
+
+@register_adv_est("gpg")
+def _gpg(x: AdvantageInputs):
+    return gpg_advantage(x.scores, x.mask, x.groups)
+
+
+@register_adv_est("grpo_passk")
+def _grpo_passk(x: AdvantageInputs):
+    return grpo_passk_advantage(x.scores, x.mask, x.groups, x.norm_adv_by_std, x.epsilon)
+
+
+@register_adv_est("reinforce_plus_plus")
+def _reinforce_plus_plus(x: AdvantageInputs):
+    return reinforce_plus_plus_advantage(x.rewards, x.mask, x.gamma)
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def _reinforce_plus_plus_baseline(x: AdvantageInputs):
+    return reinforce_plus_plus_baseline_advantage(x.scores, x.mask, x.groups)
+
+
+@register_adv_est("remax")
+def _remax(x: AdvantageInputs):
+    return remax_advantage(x.rewards, x.mask, x.reward_baselines)
+
+
+ESTIMATORS: tuple[str, ...] = tuple(_REGISTRY)
 
 
 def advantage(
@@ -257,32 +334,9 @@ def advantage(
         raise ValueError(
             f"token_level_rewards and response_mask must both be (bs, L); got "
             f"{tuple(token_level_rewards.shape)} and {tuple(response_mask.shape)}")
-
     with torch.no_grad():
         rewards = token_level_rewards.detach()
         # A float copy of the mask, so that (1 - mask) and products work for bool/int masks too.
         mask = response_mask.detach().to(rewards.dtype)
-
-        if estimator == "gae":
-            if values is None:
-                raise ValueError("gae needs `values` (bs, L): the critic's value of each response token")
-            return gae_advantage(rewards, values.detach().to(rewards.dtype), mask, gamma, lam)
-        if estimator == "reinforce_plus_plus":
-            return reinforce_plus_plus_advantage(rewards, mask, gamma)
-        if estimator == "remax":
-            return remax_advantage(rewards, mask, reward_baselines)
-
-        scores = rewards.sum(dim=-1)
-        groups = _prompt_groups(index, scores.shape[0], scores.device, scores.dtype)
-        if estimator == "grpo":
-            return grpo_advantage(scores, mask, groups, norm_adv_by_std, epsilon)
-        if estimator == "grpo_passk":
-            return grpo_passk_advantage(scores, mask, groups, norm_adv_by_std, epsilon)
-        if estimator == "rloo":
-            return rloo_advantage(scores, mask, groups)
-        if estimator == "opo":
-            return opo_advantage(scores, mask, groups)
-        if estimator == "gpg":
-            return gpg_advantage(scores, mask, groups)
-        assert estimator == "reinforce_plus_plus_baseline", estimator
-        return reinforce_plus_plus_baseline_advantage(scores, mask, groups)
+        return _REGISTRY[estimator](AdvantageInputs(rewards, mask, index, values, reward_baselines, gamma, lam,
+                                                    norm_adv_by_std, epsilon))

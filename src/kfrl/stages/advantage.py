@@ -12,38 +12,6 @@ from kfrl.stages.context import StageContext
 KL_COEF_INFO = "kl_ctrl_value_next"
 
 
-def masked_stats(values, mask, prefix: str) -> dict[str, float]:
-    picked = values[mask.bool()]
-    if picked.numel() == 0:
-        return {}
-    return {f"{prefix}/mean": float(picked.mean()), f"{prefix}/max": float(picked.max()),
-            f"{prefix}/min": float(picked.min())}
-
-
-def outcome_rewards(scores, response_lengths, width: int):
-    """(bs, width) zeros with each score at its last valid response token (veRL's reward manager)."""
-    import torch
-
-    rewards = torch.zeros((len(scores), width), dtype=torch.float32)
-    rows = torch.arange(len(scores))
-    last = torch.clamp(torch.as_tensor(response_lengths) - 1, min=0)
-    rewards[rows, last] = torch.as_tensor(scores, dtype=torch.float32)
-    return rewards
-
-
-def apply_kl_penalty(token_level_scores, old_logprobs, ref_logprobs, mask, controller, kind: str):
-    """veRL's ``apply_kl_penalty``: rewards = scores - beta * KL(old || ref) per token; then the
-    controller sees the batch's mean per-sequence KL. Returns (rewards, metrics)."""
-    from kfrl.algos import kl_penalty, masked_mean
-
-    kld = kl_penalty(old_logprobs, ref_logprobs, kind) * mask
-    beta = controller.value
-    rewards = token_level_scores - beta * kld
-    current_kl = float(masked_mean(kld, mask, axis=-1).mean())
-    controller.update(current_kl, n_steps=token_level_scores.shape[0])
-    return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": float(beta)}
-
-
 def kl_controller(ctx: StageContext):
     """The KL controller as it stands before this iteration (the previous commit's coefficient)."""
     from kfrl.algos import get_kl_controller
@@ -58,22 +26,12 @@ def kl_controller(ctx: StageContext):
     return controller
 
 
-def explained_variance(returns, values, mask) -> float | None:
-    """veRL's critic/vf_explained_var: 1 - Var(R - V) / (Var(R) + 1e-5) over valid tokens (unbiased)."""
-    import torch
-
-    valid = mask.bool()
-    r, v = returns[valid], values[valid]
-    if r.numel() < 2:
-        return None
-    return float(1.0 - torch.var(r - v) / (torch.var(r) + 1e-5))
-
-
 def advantage(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     import torch
 
     from kfrl import batch
     from kfrl.algos import advantage as compute_advantage
+    from kfrl.algos.shaping import explained_variance, kl_in_reward, masked_stats, outcome_rewards
     from kfrl.engines.minibatch import pad_rows
 
     cfg = ctx.config
@@ -88,7 +46,7 @@ def advantage(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]
     rewards = scores
     if algo.use_kl_in_reward:
         controller = kl_controller(ctx)
-        rewards, kl_metrics = apply_kl_penalty(
+        rewards, kl_metrics = kl_in_reward(
             scores, pad_rows(table.column("old_logprobs").to_pylist(), width, "cpu"),
             pad_rows(table.column("ref_logprobs").to_pylist(), width, "cpu"), mask, controller, algo.kl_penalty)
         metrics.update(kl_metrics)

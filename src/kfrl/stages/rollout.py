@@ -65,16 +65,6 @@ def group_filter_values(cfg, scored) -> np.ndarray:
     return np.array([s.score for s in scored])
 
 
-def kept_groups(uids: list[str], values: np.ndarray, n: int) -> list[int]:
-    """Indices of prompt groups (in order) whose values have non-zero population std, or size 1."""
-    kept = []
-    for g in range(len(uids)):
-        group = values[g * n:(g + 1) * n]
-        if n == 1 or np.std(group) > 0:
-            kept.append(g)
-    return kept
-
-
 def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]:
     from kfrl import batch
     from kfrl.engines.rollout import SamplingParams
@@ -186,7 +176,9 @@ def _filter(ctx: StageContext, gen: GenBatch, tokenizer) -> list[int]:
                         [str(r.get(cfg.data.reward_fn_key, "")) for r in records],
                         [ground_truth_of(r) for r in records], [r.get("extra_info") for r in records],
                         [json.dumps(prompt_messages(r, cfg.data.prompt_key, "row"), default=str) for r in records])
-    return kept_groups(gen.uids, group_filter_values(cfg, scored), n)
+    from kfrl.algos.shaping import kept_groups
+
+    return kept_groups(group_filter_values(cfg, scored), n)
 
 
 def gen_max(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
