@@ -738,3 +738,23 @@ def test_outcome_rewards_put_the_score_on_the_last_response_token():
 
     rewards = outcome_rewards([1.0, 0.5, 2.0], [3, 1, 0], 4)
     assert rewards.tolist() == [[0, 0, 1.0, 0], [0.5, 0, 0, 0], [2.0, 0, 0, 0]]
+
+
+def test_actor_loss_composes_policy_entropy_and_kl_terms():
+    from kfrl.algos import actor_loss
+
+    torch.manual_seed(0)
+    log_prob, old, ref, adv, ent = (torch.randn(3, 5) for _ in range(5))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    knobs = dict(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio=0.2, clip_ratio_c=3.0)
+    pg, pg_stats = policy_loss("vanilla", old, log_prob, adv, mask, loss_agg_mode="token-mean", clip_ratio=0.2,
+                               clip_ratio_c=3.0)
+    loss, stats = actor_loss(log_prob, old, adv, mask, entropy=ent, entropy_coeff=0.01, ref_log_prob=ref,
+                             kl_loss_type="low_var_kl", kl_loss_coef=0.1, **knobs)
+    kl = agg_loss(kl_penalty(log_prob, ref, "low_var_kl"), mask, "token-mean")
+    assert torch.allclose(loss, pg - 0.01 * agg_loss(ent, mask, "token-mean") + 0.1 * kl)
+    assert stats["actor/pg_loss"] == pytest.approx(float(pg)) and stats["actor/kl_loss"] == pytest.approx(float(kl))
+    assert stats["actor/kl_coef"] == 0.1 and {k: stats[k] for k in pg_stats} == pg_stats
+    assert stats["actor/entropy"] == pytest.approx(float((ent * mask).sum() / mask.sum()))
+    plain, plain_stats = actor_loss(log_prob, old, adv, mask, **knobs)
+    assert torch.allclose(plain, pg) and "actor/kl_loss" not in plain_stats and "actor/entropy" not in plain_stats

@@ -16,10 +16,11 @@ from kfrl.algos.core import (
     masked_var,
     masked_whiten,
 )
-from kfrl.algos.losses import POLICY_LOSS_MODES, policy_loss, value_loss
+from kfrl.algos.losses import POLICY_LOSS_MODES, actor_loss, policy_loss, value_loss
 
 __all__ = [
     "advantage",
+    "actor_loss",
     "policy_loss",
     "value_loss",
     "agg_loss",

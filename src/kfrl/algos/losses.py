@@ -188,6 +188,50 @@ def policy_loss(
         rollout_is_weights=rollout_is_weights)
 
 
+def actor_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_mode: str = "vanilla",
+    loss_agg_mode: str = "token-mean",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coeff: float = 0.0,
+    ref_log_prob: torch.Tensor | None = None,
+    kl_loss_type: str = "low_var_kl",
+    kl_loss_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """veRL's actor objective on one micro-batch: the policy loss, minus ``entropy_coeff`` x the
+    aggregated entropy, plus ``kl_loss_coef`` x the aggregated KL to the reference policy (when
+    ``ref_log_prob`` is given). All tensors (bs, L). Returns (loss, stats): ``actor/pg_loss``, the
+    policy loss's metrics, ``actor/kl_loss`` and ``actor/kl_coef`` (with a reference) and
+    ``actor/entropy`` (token-mean, when ``entropy`` is given)."""
+    from kfrl.algos.core import kl_penalty
+
+    pg_loss, stats = policy_loss(loss_mode, old_log_prob, log_prob, advantages, response_mask,
+                                 loss_agg_mode=loss_agg_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
+                                 clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
+    stats = {"actor/pg_loss": float(pg_loss.detach()), **stats}
+    loss = pg_loss
+    if entropy_coeff != 0:
+        if entropy is None:
+            raise ValueError("entropy_coeff != 0 needs the per-token entropy")
+        loss = loss - entropy_coeff * agg_loss(entropy, response_mask, loss_agg_mode)
+    if ref_log_prob is not None:
+        kl_loss = agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask, loss_agg_mode)
+        loss = loss + kl_loss_coef * kl_loss
+        stats["actor/kl_loss"] = float(kl_loss.detach())
+        stats["actor/kl_coef"] = float(kl_loss_coef)
+    if entropy is not None:
+        stats["actor/entropy"] = float(agg_loss(entropy.detach(), response_mask, "token-mean"))
+    return loss, stats
+
+
 def value_loss(
     vpreds: torch.Tensor,
     returns: torch.Tensor,

@@ -24,7 +24,7 @@ class UpdateBatch:
 def update_actor(model, optimizer, data: UpdateBatch, actor_cfg, *, mini_batch_size: int, temperature: float,
                  pad_id: int, autocast_dtype=None, seed: int = 0, progress=None) -> dict[str, float]:
     """Runs the update in place on ``model``/``optimizer``; returns veRL-named metrics (means over micro-batches)."""
-    from kfrl.algos import agg_loss, kl_penalty, policy_loss
+    from kfrl.algos import actor_loss
 
     device = next(model.parameters()).device
     full = PaddedBatch.build(data.prompts, data.responses, data.response_masks, pad_id, device)
@@ -42,25 +42,15 @@ def update_actor(model, optimizer, data: UpdateBatch, actor_cfg, *, mini_batch_s
         want_entropy = actor_cfg.entropy_coeff != 0 or old is None
         log_prob, entropy = forward_response(model, batch, temperature, want_entropy, autocast_dtype)
         old_lp = old[rows] if old is not None else log_prob.detach()
-        pg_loss, pg_metrics = policy_loss(
-            actor_cfg.loss_mode, old_lp, log_prob, advantages[rows], mask,
+        loss, stats = actor_loss(
+            log_prob, old_lp, advantages[rows], mask, loss_mode=actor_cfg.loss_mode,
             loss_agg_mode=actor_cfg.loss_agg_mode, clip_ratio=actor_cfg.clip_ratio,
             clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
-            clip_ratio_c=actor_cfg.clip_ratio_c,
-        )
-        loss = pg_loss
-        if actor_cfg.entropy_coeff != 0:
-            loss = loss - actor_cfg.entropy_coeff * agg_loss(entropy, mask, actor_cfg.loss_agg_mode)
-        if ref is not None:
-            kl_loss = agg_loss(kl_penalty(log_prob, ref[rows], actor_cfg.kl_loss_type), mask, actor_cfg.loss_agg_mode)
-            loss = loss + actor_cfg.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"].append(float(kl_loss.detach()))
-            metrics["actor/kl_coef"].append(actor_cfg.kl_loss_coef)
-        metrics["actor/pg_loss"].append(float(pg_loss.detach()))
-        for key, value in pg_metrics.items():
-            metrics[key].append(float(value))
-        if entropy is not None:
-            metrics["actor/entropy"].append(float(agg_loss(entropy.detach(), mask, "token-mean")))
+            clip_ratio_c=actor_cfg.clip_ratio_c, entropy=entropy, entropy_coeff=actor_cfg.entropy_coeff,
+            ref_log_prob=ref[rows] if ref is not None else None, kl_loss_type=actor_cfg.kl_loss_type,
+            kl_loss_coef=actor_cfg.kl_loss_coef)
+        for key, value in stats.items():
+            metrics[key].append(value)
         return loss
 
     loop_metrics = optimize(model, optimizer, len(data.prompts), micro_step, mini_batch_size=mini_batch_size,
