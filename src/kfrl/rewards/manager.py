@@ -1,7 +1,8 @@
-"""From decoded responses to per-trajectory rewards: veRL's reward managers (``naive`` and DAPO's).
+"""From responses to per-trajectory rewards: veRL's reward managers (``naive`` and DAPO's).
 
-``score_responses`` is what the score stage, DAPO's dynamic-sampling filter and ReMax's greedy
-baseline all call, so the three can never disagree on a reward.
+``Rewards`` is the run's reward, built once from the config: the rollout (DAPO's dynamic-sampling
+filter, ReMax's greedy baseline), score and validate stages all score through it, so they can never
+disagree on a reward.
 """
 from __future__ import annotations
 
@@ -79,3 +80,37 @@ def score_responses(texts: list[str], data_sources: list[str], ground_truths: li
             shaped += penalty
         out.append(ScoredResponse(score=shaped, raw_score=value, acc=acc, extra=extras))
     return out
+
+
+class Rewards:
+    """The configured reward: rule scorers by data_source or a custom function, or a reward model
+    (``reward_model``: (model, tokenizer)); then DAPO's overlong shaping. ``tokenizer`` decodes the
+    policy's responses."""
+
+    def __init__(self, config, tokenizer, *, reward_model=None, autocast_dtype=None):
+        self.reward = config.reward
+        self.max_response_length = config.data.max_response_length
+        self.pass_raw_prompt = config.data.return_raw_chat
+        self.tokenizer = tokenizer
+        self.reward_model = reward_model
+        self.autocast_dtype = autocast_dtype
+        self.reward_fn = rule_reward_fn(config.reward.custom_function_path, config.reward.custom_function_name)
+
+    def score(self, response_ids: list[list[int]], data_sources: list[str], ground_truths: list[str],
+              extra_infos: list, raw_prompts: list[str]) -> list[ScoredResponse]:
+        """One ScoredResponse per response; ``raw_prompts`` are the prompts' chat messages as JSON."""
+        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        model_scores = None
+        if self.reward_model is not None:
+            from kfrl.engines.reward_model import reward_model_scores
+
+            model, rm_tokenizer = self.reward_model
+            conversations = [json.loads(p) + [{"role": "assistant", "content": t}] for p, t in zip(raw_prompts, texts)]
+            model_scores = reward_model_scores(model, rm_tokenizer, conversations,
+                                               micro_batch_size=self.reward.micro_batch_size,
+                                               autocast_dtype=self.autocast_dtype)
+        return score_responses(
+            texts, data_sources, ground_truths, extra_infos, [len(r) for r in response_ids],
+            max_response_length=self.max_response_length, overlong_buffer=self.reward.overlong_buffer,
+            reward_fn=self.reward_fn, raw_prompts=raw_prompts if self.pass_raw_prompt else None,
+            model_scores=model_scores)

@@ -206,6 +206,13 @@ class StageContext:
                        lambda: load_value_model(local, dtype=self.compute_dtype, device=self.device,
                                                 head_seed=seed).eval())
 
+    def rewards(self, tokenizer):
+        """The run's reward (``kfrl.rewards.manager.Rewards``); a reward model comes from the model cache."""
+        from kfrl.rewards.manager import Rewards
+
+        reward_model = self.load_reward_model() if self.config.reward.name == "model" else None
+        return Rewards(self.config, tokenizer, reward_model=reward_model, autocast_dtype=self.compute_dtype)
+
     def load_reward_model(self):
         """(model, tokenizer) of reward.model_path: a local HF sequence-classification directory."""
         from kfrl.models.hf_io import load_reward_model, load_tokenizer

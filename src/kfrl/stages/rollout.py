@@ -167,17 +167,15 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
 
 def _filter(ctx: StageContext, gen: GenBatch, tokenizer) -> list[int]:
     """DAPO's group filter over one generation batch: the prompt indices to keep."""
-    from kfrl.stages.score import score_rows
+    from kfrl.algos.shaping import kept_groups
 
     cfg = ctx.config
     n = cfg.rollout.n
     records = [r for r in gen.records for _ in range(n)]
-    scored = score_rows(ctx, tokenizer, [g.response_ids for g in gen.generations],
-                        [str(r.get(cfg.data.reward_fn_key, "")) for r in records],
-                        [ground_truth_of(r) for r in records], [r.get("extra_info") for r in records],
-                        [json.dumps(prompt_messages(r, cfg.data.prompt_key, "row"), default=str) for r in records])
-    from kfrl.algos.shaping import kept_groups
-
+    scored = ctx.rewards(tokenizer).score(
+        [g.response_ids for g in gen.generations], [str(r.get(cfg.data.reward_fn_key, "")) for r in records],
+        [ground_truth_of(r) for r in records], [r.get("extra_info") for r in records],
+        [json.dumps(prompt_messages(r, cfg.data.prompt_key, "row"), default=str) for r in records])
     return kept_groups(group_filter_values(cfg, scored), n)
 
 
@@ -185,7 +183,6 @@ def gen_max(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     """Stage ``gen_max`` (ReMax): a greedy response to each prompt of the rollout, scored with the
     same reward; its score is the baseline of every sampled response to that prompt."""
     from kfrl.engines.rollout import SamplingParams
-    from kfrl.stages.score import score_rows
 
     cfg = ctx.config
     uids = table.column("uid").to_pylist()
@@ -203,8 +200,8 @@ def gen_max(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     def column(name: str) -> list:
         return [table.column(name)[r].as_py() for r in rows]
 
-    scored = score_rows(ctx, tokenizer, responses, column("data_source"), column("ground_truth"),
-                        column("extra_info"), column("raw_prompt"))
+    scored = ctx.rewards(tokenizer).score(responses, column("data_source"), column("ground_truth"),
+                                          column("extra_info"), column("raw_prompt"))
     baseline = {uid: s.score for uid, s in zip(first_of_group, scored)}
     columns = {"sample_id": table.column("sample_id").to_pylist(), "reward_baselines": [baseline[u] for u in uids]}
     return columns, {"critic/reward_baselines/mean": float(np.mean(list(baseline.values())))}

@@ -39,7 +39,6 @@ def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]
     from kfrl.data.dataset import ground_truth_of, prompt_messages, tokenize_prompt
     from kfrl.engines.rollout import SamplingParams
     from kfrl.stages.rollout import read_dataset
-    from kfrl.stages.score import score_rows
 
     cfg = ctx.config
     val = ctx.store.manifest("data/val")
@@ -62,9 +61,9 @@ def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]
     data_sources = [str(records[i].get(cfg.data.reward_fn_key, "")) for i in expanded]
     truths = [ground_truth_of(records[i]) for i in expanded]
     responses = [g.response_ids for g in generations]
-    scored = score_rows(ctx, tokenizer, responses, data_sources, truths,
-                        [records[i].get("extra_info") for i in expanded],
-                        [json.dumps(messages[i], default=str) for i in expanded])
+    scored = ctx.rewards(tokenizer).score(responses, data_sources, truths,
+                                          [records[i].get("extra_info") for i in expanded],
+                                          [json.dumps(messages[i], default=str) for i in expanded])
     columns = {
         "sample_id": [f"val-{i}-s{k}" for i in range(len(records)) for k in range(kw.n)],
         "data_source": data_sources, "prompt_ids": [prompts[i] for i in expanded], "response_ids": responses,
