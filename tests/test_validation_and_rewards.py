@@ -3,7 +3,6 @@ truncation and overlong filtering, raw chat messages for reward functions, custo
 functions, a reward-model score stage, and epoch accounting."""
 import io
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ from rich.console import Console
 from kfrl.config import load_config
 from kfrl.controller import train
 from kfrl.data.dataset import DatasetError, tokenize_prompt
-from kfrl.stages import run_stage
 from kfrl.run import Run, stage_prefix
+from kfrl.stages import run_stage
 from kfrl.stages.context import StageContext
 from kfrl.stages.prepare import prepare_run
 from kfrl.store import Store

@@ -38,63 +38,6 @@ def _load(config: Optional[Path], overrides: List[str], store: Optional[str], tr
     return cfg
 
 
-def _local_parts(spec: str | None) -> list[Path]:
-    if not spec or spec.startswith("builtin:"):
-        return []
-    return [Path(p.strip()).expanduser() for p in spec.split(",") if p.strip() and "://" not in p]
-
-
-def _train_rows(cfg) -> int | None:
-    """Rows of the training data, from Parquet footers only; None when unknown here."""
-    if cfg.data.train_files == "builtin:arith":
-        return cfg.data.builtin_train_size
-    parts = _local_parts(cfg.data.train_files)
-    if not parts or not all(p.is_file() for p in parts) or "://" in cfg.data.train_files:
-        return None
-    import pyarrow.parquet as pq
-
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
-
-
-def dry_run_report(cfg) -> tuple[str, list[str]]:
-    """The stage plan and iteration count as text, and warnings about what is missing. Nothing is
-    loaded: no model, no data beyond Parquet footers, no rollout backend."""
-    import importlib.util
-
-    from kfrl.stages import plan, skip_reason
-
-    lines = ["stage plan (one KFP pipeline run per iteration):"]
-    for stage, why in plan(cfg).items():
-        lines.append(f"  {'run ' if not why else 'skip'}  {stage:<13} {('— ' + why) if why else ''}")
-    warnings = []
-    if not skip_reason("validate", cfg, 0):
-        lines.append("  validation of the initial policy before iteration 1 (trainer.val_before_train)")
-    rows = _train_rows(cfg)
-    if cfg.trainer.total_iterations:
-        lines.append(f"iterations: {cfg.trainer.total_iterations} (trainer.total_iterations)")
-    elif rows is not None:
-        per_epoch = rows // cfg.data.train_batch_size
-        lines.append(f"iterations: {per_epoch * cfg.trainer.total_epochs} = {per_epoch} per epoch ({rows} rows // "
-                     f"{cfg.data.train_batch_size} prompts, drop_last) x {cfg.trainer.total_epochs} epochs")
-    else:
-        lines.append(f"iterations: {cfg.trainer.total_epochs} epochs x (training rows // "
-                     f"{cfg.data.train_batch_size}), counted when the data is read")
-    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path if cfg.use_critic
-                                                          else ""), ("reward.model_path", cfg.reward.model_path)):
-        if path and not path.startswith("builtin:") and "://" not in path \
-                and not (Path(path).expanduser() / "config.json").is_file():
-            warnings.append(f"{key}: {path} is not a local HF model directory (no config.json); "
-                            "kfrl loads models from local directories or the store, not from a hub")
-    for key, spec in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
-        for part in _local_parts(spec):
-            if not part.is_file():
-                warnings.append(f"{key}: {part} does not exist (prepare GSM8K with `kfrl data gsm8k`)")
-    if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
-        warnings.append("rollout.name=vllm: the vllm package is not installed here (pip install 'kfrl[gpu]', or "
-                        "the kfrl GPU image); rollout.name=torch or auto run without it")
-    return "\n".join(lines), warnings
-
-
 @app.command(context_settings={"allow_extra_args": False})
 def train(
     overrides: List[str] = typer.Argument(None, help="config overrides, e.g. actor.lr=1e-5 rollout.n=8"),
@@ -111,7 +54,9 @@ def train(
     if iterations:
         cfg.trainer.total_iterations = iterations
     if dry_run:
-        report, warnings = dry_run_report(cfg)
+        from kfrl import dryrun
+
+        report, warnings = dryrun.report(cfg)
         typer.echo(cfg.to_yaml())
         typer.echo(report)
         for w in warnings:
