@@ -20,3 +20,11 @@ def compute_dtype(requested: str, device: str):
     if requested == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32
     return getattr(torch, requested)
+
+
+def autocast(device_type: str, dtype):
+    """Autocast to ``dtype`` for a forward pass; a no-op context for None or float32."""
+    import torch
+
+    enabled = dtype is not None and dtype != torch.float32
+    return torch.autocast(device_type=device_type, dtype=dtype or torch.float32, enabled=enabled)

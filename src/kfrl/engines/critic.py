@@ -11,15 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kfrl.engines import autocast
 from kfrl.engines.inference import PaddedBatch
 from kfrl.engines.minibatch import mean_metrics, optimize, pad_rows
 
 
 def forward_values(model, batch: PaddedBatch, autocast_dtype=None) -> torch.Tensor:
     """(B, L) values at response positions; differentiable when grad is enabled."""
-    device_type = batch.input_ids.device.type
-    enabled = autocast_dtype is not None and autocast_dtype != torch.float32
-    with torch.autocast(device_type=device_type, dtype=autocast_dtype or torch.float32, enabled=enabled):
+    with autocast(batch.input_ids.device.type, autocast_dtype):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     per_position = logits.float().squeeze(-1)  # (B, T)
     return torch.gather(per_position, 1, batch.gather_positions)

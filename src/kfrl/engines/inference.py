@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kfrl.engines import autocast
+
 
 @dataclass
 class PaddedBatch:
@@ -66,9 +68,7 @@ def forward_response(model, batch: PaddedBatch, temperature: float, with_entropy
     """(log_probs (B, L), entropy (B, L) or None); differentiable when grad is enabled."""
     from kfrl.algos import entropy_from_logits
 
-    device_type = batch.input_ids.device.type
-    enabled = autocast_dtype is not None and autocast_dtype != torch.float32
-    with torch.autocast(device_type=device_type, dtype=autocast_dtype or torch.float32, enabled=enabled):
+    with autocast(batch.input_ids.device.type, autocast_dtype):
         logits = response_logits(model, batch)
     logits = logits.float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)

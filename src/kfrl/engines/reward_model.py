@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kfrl.engines import autocast
+
 
 @torch.no_grad()
 def reward_model_scores(model, tokenizer, conversations: list[list[dict]], *, micro_batch_size: int,
@@ -17,11 +19,10 @@ def reward_model_scores(model, tokenizer, conversations: list[list[dict]], *, mi
         model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     texts = [tokenizer.apply_chat_template(conv, tokenize=False) for conv in conversations]
     scores: list[float] = []
-    enabled = autocast_dtype is not None and autocast_dtype != torch.float32
     for start in range(0, len(texts), micro_batch_size):
         encoded = tokenizer(texts[start:start + micro_batch_size], return_tensors="pt", padding=True,
                             padding_side="right", add_special_tokens=False).to(device)
-        with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32, enabled=enabled):
+        with autocast(device.type, autocast_dtype):
             logits = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
         scores.extend(logits[:, 0].float().tolist())
     return scores

@@ -29,6 +29,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QW
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 from kfrl.data.synthetic import make_arith_rows
+from kfrl.models import cache_dir
 from kfrl.rewards.gsm8k import extract_solution
 
 PAD_TOKEN = "<|endoftext|>"
@@ -316,26 +317,18 @@ def sft_warm_start(
 
 
 @torch.no_grad()
-def generate_responses(
-    model: Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
-    rows: Sequence[dict],
-    do_sample: bool,
-    max_new_tokens: int = 24,
-    temperature: float = 1.0,
-) -> list[str]:
-    """Decoded responses (special tokens skipped) for each row's chat prompt."""
-    prompts = [prompt_text(tokenizer, row) for row in rows]
-    batch = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {"do_sample": False}
-    output = model.generate(
-        **batch,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **sampling,
-    )
-    return tokenizer.batch_decode(output[:, batch["input_ids"].size(1):], skip_special_tokens=True)
+def generate_responses(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: Sequence[dict],
+                       do_sample: bool, max_new_tokens: int = 24, temperature: float = 1.0,
+                       seed: int | None = None) -> list[str]:
+    """Decoded responses (special tokens skipped) for each row's chat prompt, through the ``hf``
+    rollout backend (the same generation the pipeline's rollout runs)."""
+    from kfrl.engines.rollout import SamplingParams
+    from kfrl.engines.rollout_hf import HFRollout
+
+    prompts = [_encode(tokenizer, prompt_text(tokenizer, row)) for row in rows]
+    params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, do_sample=do_sample)
+    generations = HFRollout(model, tokenizer).generate_responses(prompts, params, seed=seed)
+    return tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)
 
 
 def answer_accuracy(
@@ -350,8 +343,7 @@ def answer_accuracy(
     # A private RNG stream: evaluating must not shift the caller's random state.
     cuda_devices = [model.device.index or 0] if model.device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda_devices):
-        torch.manual_seed(seed)
-        responses = generate_responses(model, tokenizer, rows, do_sample=do_sample)
+        responses = generate_responses(model, tokenizer, rows, do_sample=do_sample, seed=seed)
     answers = [extract_solution(text, method="strict") for text in responses]
     correct = [a == row["reward_model"]["ground_truth"] for a, row in zip(answers, rows)]
     return {
@@ -388,8 +380,7 @@ BUILTIN_MODELS: dict[str, BuiltinRecipe] = {"tiny-qwen2-arith": BuiltinRecipe()}
 BUILTIN_PREFIX = "builtin:"
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("KFRL_CACHE_DIR") or Path.home() / ".cache" / "kfrl").expanduser()
+default_cache_dir = cache_dir
 
 
 def _recipe_key(recipe: BuiltinRecipe) -> str:

@@ -10,6 +10,7 @@ from functools import cached_property
 from pathlib import Path
 
 from kfrl.config import Config
+from kfrl.models import cache_dir
 from kfrl.run import CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, Run, RunLayoutError
 from kfrl.store import Manifest, Store
 
@@ -24,10 +25,6 @@ def quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KFRL_CACHE_DIR") or Path.home() / ".cache" / "kfrl")
 
 
 # Inference models and tokenizers loaded in this process, keyed by local checkpoint dir and dtype:
@@ -121,7 +118,7 @@ class StageContext:
                 return Path(source)
             remote = Store(source)
             key = hashlib.sha1(source.encode()).hexdigest()[:16]
-            local = cache_root() / "models" / key
+            local = cache_dir() / "models" / key
             if not (local / "config.json").exists():
                 tmp = local.with_name(local.name + f".tmp{os.getpid()}")
                 for name in remote.list(""):
@@ -134,7 +131,7 @@ class StageContext:
                     shutil.rmtree(tmp, ignore_errors=True)
             return local
         key = hashlib.sha1(self.store.url(manifest.prefix).encode()).hexdigest()[:16]
-        return self.store.download(manifest, cache_root() / "checkpoints" / f"{key}-{manifest.attempt}")
+        return self.store.download(manifest, cache_dir() / "checkpoints" / f"{key}-{manifest.attempt}")
 
     def load_tokenizer(self, manifest: Manifest):
         from kfrl.models.hf_io import load_tokenizer
