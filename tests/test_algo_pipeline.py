@@ -222,14 +222,15 @@ def test_score_responses_shapes_and_logs_extras():
 
 
 def test_critic_values_sit_at_the_position_before_each_token_and_micro_batching_is_exact(tiny_model_dir):
-    from kfrl.engines.critic import CriticBatch, compute_values, forward_values, update_critic
-    from kfrl.engines.inference import PaddedBatch
+    from kfrl.engines.critic import compute_values, forward_values, update_critic
     from kfrl.models.hf_io import load_value_model
+    from kfrl.trajectory import Trajectories
 
     model = load_value_model(tiny_model_dir, torch.float32, head_seed=0)
     prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
     masks = [[1, 1], [1, 0, 1]]  # a hole in the second response
-    values = compute_values(model, prompts, responses, masks, pad_id=0, micro_batch_size=1)
+    trajectories = Trajectories.from_lists(prompts, responses, masks, pad_id=0)
+    values = trajectories.unpad(compute_values(model, trajectories, micro_batch_size=1))
     with torch.no_grad():
         full = model(input_ids=torch.tensor([[5, 6, 7, 10, 11]])).logits[0, :, 0]
     torch.testing.assert_close(torch.tensor(values[0]), full[2:4])  # positions that predict tokens 10, 11
@@ -245,14 +246,14 @@ def test_critic_values_sit_at_the_position_before_each_token_and_micro_batching_
             captured["g"] = m.score.weight.grad.clone()
             original()
         opt.step = step
-        data = CriticBatch(prompts, responses, masks, values, returns=[[1.0, 1.0], [0.0, 0.0, 0.0]])
+        data = Trajectories.from_lists(prompts, responses, masks, pad_id=0, fields={
+            "values": values, "returns": [[1.0, 1.0], [0.0, 0.0, 0.0]]})
         update_critic(m, opt, data, mini_batch_size=2, micro_batch_size=micro, epochs=1, shuffle=False,
-                      grad_clip=1e9, cliprange_value=0.5, loss_agg_mode="seq-mean-token-mean", pad_id=0)
+                      grad_clip=1e9, cliprange_value=0.5, loss_agg_mode="seq-mean-token-mean")
         return captured["g"]
 
     torch.testing.assert_close(grads(1), grads(2), atol=1e-6, rtol=1e-5)
-    batch_ = PaddedBatch.build(prompts, responses, masks, 0, "cpu")
-    assert forward_values(model, batch_).shape == (2, 3)
+    assert forward_values(model, trajectories).shape == (2, 3)
 
 
 @pytest.mark.parametrize("overrides, message", [

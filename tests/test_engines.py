@@ -6,11 +6,12 @@ import torch
 
 from kfrl.config import ActorConfig
 from kfrl.data.synthetic import make_arith_rows
-from kfrl.engines.actor import UpdateBatch, update_actor
+from kfrl.engines.actor import update_actor
 from kfrl.engines.inference import compute_logprobs
 from kfrl.engines.rollout import SamplingParams, truncate_at_eos
 from kfrl.engines.rollout_hf import HFRollout
 from kfrl.models.tiny import arith_corpus, build_tiny_model, build_tokenizer
+from kfrl.trajectory import Trajectories
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +46,10 @@ def test_rollout_shapes_order_and_logprobs_match_recompute(tiny):
     # The actor's recomputed log-probs at the same temperature describe the same distribution.
     expanded = [p for p in prompts for _ in range(3)]
     responses = [g.response_ids for g in gens]
-    recomputed, entropy = compute_logprobs(model, expanded, responses, [[1] * len(r) for r in responses],
-                                           pad_id=tokenizer.pad_token_id, temperature=0.7, micro_batch_size=5,
+    trajectories = Trajectories.from_lists(expanded, responses, pad_id=tokenizer.pad_token_id)
+    recomputed, entropy = compute_logprobs(model, trajectories, temperature=0.7, micro_batch_size=5,
                                            with_entropy=True)
-    for g, lp, ent in zip(gens, recomputed, entropy):
+    for g, lp, ent in zip(gens, trajectories.unpad(recomputed), trajectories.unpad(entropy)):
         assert torch.allclose(torch.tensor(lp), torch.tensor(g.rollout_logprobs), atol=1e-4)
         assert all(e >= 0 for e in ent)
     # Same seed → same samples (a retried rollout reproduces its batch).
@@ -66,16 +67,15 @@ def _grads_after_update(model, data, micro, mini):
             captured.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
     opt = CaptureOptimizer(model.parameters(), lr=0.0)
-    metrics = update_actor(model, opt, data, cfg, mini_batch_size=mini, temperature=1.0, pad_id=0)
+    metrics = update_actor(model, opt, data, cfg, mini_batch_size=mini, temperature=1.0)
     return captured, metrics
 
 
 def test_micro_batch_scaling_is_exact_for_equal_lengths(tiny):
     model, tokenizer, prompts = tiny
     responses = [[7, 8, 9, 10]] * 6
-    data = UpdateBatch(prompts=prompts[:6], responses=responses, response_masks=[[1] * 4] * 6,
-                       advantages=[[a] * 4 for a in (1.0, -1.0, 0.5, 2.0, -0.5, 0.0)],
-                       old_logprobs=None, ref_logprobs=None)
+    data = Trajectories.from_lists(prompts[:6], responses, [[1] * 4] * 6, pad_id=0, fields={
+        "advantages": [[a] * 4 for a in (1.0, -1.0, 0.5, 2.0, -0.5, 0.0)]})
     big, _ = _grads_after_update(model, data, micro=6, mini=6)
     small, _ = _grads_after_update(model, data, micro=2, mini=6)
     for name in big:
@@ -86,14 +86,12 @@ def test_update_changes_weights_in_direction_of_advantage(tiny):
     model, tokenizer, prompts = tiny
     model = copy.deepcopy(model)
     response = [[7, 8, 9]]
-    data = UpdateBatch(prompts=prompts[:1], responses=response, response_masks=[[1, 1, 1]],
-                       advantages=[[1.0, 1.0, 1.0]], old_logprobs=None, ref_logprobs=None)
-    before, _ = compute_logprobs(model, prompts[:1], response, [[1, 1, 1]], pad_id=0, temperature=1.0,
-                                 micro_batch_size=1, with_entropy=False)
+    data = Trajectories.from_lists(prompts[:1], response, [[1, 1, 1]], pad_id=0,
+                                   fields={"advantages": [[1.0, 1.0, 1.0]]})
+    before, _ = compute_logprobs(model, data, temperature=1.0, micro_batch_size=1, with_entropy=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     update_actor(model, opt, data, ActorConfig(ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1),
-                 mini_batch_size=1, temperature=1.0, pad_id=0)
+                 mini_batch_size=1, temperature=1.0)
     model.eval()
-    after, _ = compute_logprobs(model, prompts[:1], response, [[1, 1, 1]], pad_id=0, temperature=1.0,
-                                micro_batch_size=1, with_entropy=False)
-    assert sum(after[0]) > sum(before[0])
+    after, _ = compute_logprobs(model, data, temperature=1.0, micro_batch_size=1, with_entropy=False)
+    assert after[0].sum() > before[0].sum()

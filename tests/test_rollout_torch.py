@@ -18,6 +18,7 @@ from kfrl.engines.rollout import SamplingParams, checkpoint_eos_ids, pad_token_i
 from kfrl.engines.rollout_hf import HFRollout
 from kfrl.engines.rollout_torch import TorchRollout, batch_buckets
 from kfrl.engines.sampling import filtered_distribution, sample_tokens
+from kfrl.trajectory import Trajectories
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +71,9 @@ def test_sampled_logprobs_equal_a_teacher_forced_pass(tiny, tiny_dir):
     gens = torch_engine(tiny_dir, tokenizer).generate_responses(prompts, params, seed=11)
     expanded = [p for p in prompts for _ in range(3)]
     responses = [g.response_ids for g in gens]
-    recomputed, _ = compute_logprobs(model, expanded, responses, [[1] * len(r) for r in responses],
-                                     pad_id=tokenizer.pad_token_id, temperature=0.7, micro_batch_size=32,
-                                     with_entropy=False)
+    trajectories = Trajectories.from_lists(expanded, responses, pad_id=tokenizer.pad_token_id)
+    recomputed = trajectories.unpad(compute_logprobs(model, trajectories, temperature=0.7, micro_batch_size=32,
+                                                     with_entropy=False)[0])
     diff = max(max(abs(x - y) for x, y in zip(lp, g.rollout_logprobs)) for lp, g in zip(recomputed, gens))
     assert diff <= 1e-4
     eos = tokenizer.eos_token_id
@@ -273,9 +274,9 @@ def test_cuda_bf16_logprobs_match_teacher_forced(tiny, tiny_dir):
         prompts, params, seed=2)
     expanded = [p for p in prompts for _ in range(4)]
     responses = [g.response_ids for g in gens]
-    recomputed, _ = compute_logprobs(model, expanded, responses, [[1] * len(r) for r in responses],
-                                     pad_id=tokenizer.pad_token_id, temperature=1.0, micro_batch_size=64,
-                                     with_entropy=False)
+    trajectories = Trajectories.from_lists(expanded, responses, pad_id=tokenizer.pad_token_id)
+    recomputed = trajectories.unpad(compute_logprobs(model, trajectories, temperature=1.0, micro_batch_size=64,
+                                                     with_entropy=False)[0])
     diffs = torch.tensor([abs(x - y) for lp, g in zip(recomputed, gens) for x, y in zip(lp, g.rollout_logprobs)])
     assert float(diffs.mean()) < 0.02 and float(diffs.max()) < 0.2
 

@@ -42,14 +42,5 @@ def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor]
     return metrics
 
 
-def pad_rows(rows: list[list[float]], width: int, device) -> torch.Tensor:
-    """Per-token float lists (one per sample, response tokens only) → (B, width), zero-padded."""
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out.to(device)
-
-
 def mean_metrics(metrics: dict[str, list[float]]) -> dict[str, float]:
     return {key: sum(values) / len(values) for key, values in metrics.items() if values}

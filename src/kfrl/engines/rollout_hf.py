@@ -40,6 +40,7 @@ class HFRollout:
     def generate_responses(self, prompts: list[list[int]], params: SamplingParams, *,
                            seed: int | None = None) -> list[Generation]:
         from kfrl.engines.inference import compute_logprobs
+        from kfrl.trajectory import Trajectories
 
         model = self.model
         device = next(model.parameters()).device
@@ -66,9 +67,8 @@ class HFRollout:
             for row in range(new_tokens.shape[0]):
                 responses.append(new_tokens[row, :int(lengths[row])].tolist())
                 stopped_flags.append(bool(stopped[row]))
-        temperature = params.temperature if params.do_sample else 1.0
-        logprobs, _ = compute_logprobs(model, expanded, responses, [[1] * len(r) for r in responses],
-                                       pad_id=self.pad_id, temperature=temperature,
+        trajectories = Trajectories.from_lists(expanded, responses, pad_id=self.pad_id)
+        logprobs, _ = compute_logprobs(model, trajectories, temperature=params.temperature if params.do_sample else 1.0,
                                        micro_batch_size=self.logprob_micro_batch_size, with_entropy=False)
         return [Generation(response_ids=r, rollout_logprobs=lp, finish_reason="stop" if stop else "length")
-                for r, lp, stop in zip(responses, logprobs, stopped_flags)]
+                for r, lp, stop in zip(responses, trajectories.unpad(logprobs), stopped_flags)]

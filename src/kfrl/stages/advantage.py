@@ -29,30 +29,27 @@ def kl_controller(ctx: StageContext):
 def advantage(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     import torch
 
-    from kfrl import batch
     from kfrl.algos import advantage as compute_advantage
     from kfrl.algos.shaping import explained_variance, kl_in_reward, masked_stats, outcome_rewards
-    from kfrl.engines.minibatch import pad_rows
+    from kfrl.trajectory import Trajectories
 
     cfg = ctx.config
     algo = cfg.algorithm
     names = set(table.column_names)
-    mask = batch.to_torch_padded(table, "response_mask").float()
-    width = mask.shape[1]
-    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    scores = outcome_rewards(table.column("score").to_pylist(), lengths, width)
+    batch = Trajectories.from_table(table, pad_id=0, fields=("old_logprobs", "ref_logprobs", "values"))
+    mask = batch.response_mask
+    scores = outcome_rewards(table.column("score").to_pylist(), batch.lengths, mask.shape[1])
     metrics: dict[str, float] = {}
 
     rewards = scores
     if algo.use_kl_in_reward:
         controller = kl_controller(ctx)
-        rewards, kl_metrics = kl_in_reward(
-            scores, pad_rows(table.column("old_logprobs").to_pylist(), width, "cpu"),
-            pad_rows(table.column("ref_logprobs").to_pylist(), width, "cpu"), mask, controller, algo.kl_penalty)
+        rewards, kl_metrics = kl_in_reward(scores, batch.get("old_logprobs"), batch.get("ref_logprobs"), mask,
+                                           controller, algo.kl_penalty)
         metrics.update(kl_metrics)
         attempt.info[KL_COEF_INFO] = float(controller.value)
 
-    values = pad_rows(table.column("values").to_pylist(), width, "cpu") if "values" in names else None
+    values = batch.get("values")
     baselines = (torch.tensor(table.column("reward_baselines").to_pylist(), dtype=torch.float32)
                  if "reward_baselines" in names else None)
     if algo.adv_estimator == "gae" and values is None:
@@ -63,12 +60,8 @@ def advantage(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]
         algo.adv_estimator, rewards, mask, index=table.column("uid").to_pylist(), values=values,
         reward_baselines=baselines, gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
     )
-
-    def unpad(t):
-        return [row[:n].tolist() for row, n in zip(t, lengths)]
-
-    columns = {"sample_id": table.column("sample_id").to_pylist(), "token_level_rewards": unpad(rewards),
-               "advantages": unpad(advantages), "returns": unpad(returns)}
+    columns = {"sample_id": table.column("sample_id").to_pylist(), "token_level_rewards": batch.unpad(rewards),
+               "advantages": batch.unpad(advantages), "returns": batch.unpad(returns)}
     sequence_rewards = rewards.sum(-1)
     metrics.update({"critic/rewards/mean": float(sequence_rewards.mean()),
                     "critic/rewards/max": float(sequence_rewards.max()),

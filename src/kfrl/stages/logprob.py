@@ -7,19 +7,18 @@ from kfrl.stages.context import StageContext
 
 
 def _logprobs(ctx: StageContext, table, weights_iteration: int, with_entropy: bool):
+    """Per-sample lists of log-probs (and entropies) under the policy after ``weights_iteration``."""
     from kfrl.engines.inference import compute_logprobs
+    from kfrl.trajectory import Trajectories
 
     manifest = ctx.policy_manifest(weights_iteration)
     tokenizer = ctx.load_tokenizer(manifest)
-    model = ctx.load_model(manifest)
+    trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0)
     logprobs, entropy = compute_logprobs(
-        model, table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(),
-        table.column("response_mask").to_pylist(), pad_id=tokenizer.pad_token_id or 0,
-        temperature=ctx.config.rollout.temperature,
+        ctx.load_model(manifest), trajectories, temperature=ctx.config.rollout.temperature,
         micro_batch_size=ctx.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=with_entropy,
-        autocast_dtype=ctx.compute_dtype,
-    )
-    return logprobs, entropy
+        autocast_dtype=ctx.compute_dtype)
+    return trajectories.unpad(logprobs), (trajectories.unpad(entropy) if with_entropy else None)
 
 
 def old_logprob(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
@@ -40,13 +39,14 @@ def ref_logprob(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, floa
 def values(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     """Stage ``values``: the critic's value of every response token (0 at masked positions)."""
     from kfrl.engines.critic import compute_values
+    from kfrl.trajectory import Trajectories
 
     cfg = ctx.config
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
     model = ctx.load_critic(ctx.critic_manifest(ctx.iteration - 1))
+    trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0)
     result = compute_values(
-        model, table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(),
-        table.column("response_mask").to_pylist(), pad_id=tokenizer.pad_token_id or 0,
+        model, trajectories,
         micro_batch_size=cfg.critic.forward_micro_batch_size_per_gpu or cfg.critic.ppo_micro_batch_size_per_gpu,
         autocast_dtype=ctx.compute_dtype)
-    return {"sample_id": table.column("sample_id").to_pylist(), "values": result}, {}
+    return {"sample_id": table.column("sample_id").to_pylist(), "values": trajectories.unpad(result)}, {}

@@ -45,8 +45,8 @@ def save_checkpoint(ctx: StageContext, attempt, model, tokenizer, optimizer, sta
 
 
 def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:
-    from kfrl.engines.actor import UpdateBatch
     from kfrl.engines.actor import update_actor as run_update
+    from kfrl.trajectory import Trajectories
 
     cfg = ctx.config
     previous = ctx.policy_manifest(ctx.iteration - 1)
@@ -55,18 +55,12 @@ def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, flo
     optimizer = make_optimizer(model, cfg.actor)
     load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous))
 
-    names = set(table.column_names)
-    data = UpdateBatch(
-        prompts=table.column("prompt_ids").to_pylist(),
-        responses=table.column("response_ids").to_pylist(),
-        response_masks=table.column("response_mask").to_pylist(),
-        advantages=table.column("advantages").to_pylist(),
-        old_logprobs=table.column("old_logprobs").to_pylist() if "old_logprobs" in names else None,
-        ref_logprobs=table.column("ref_logprobs").to_pylist() if cfg.actor.use_kl_loss else None,
-    )
-    metrics = run_update(model, optimizer, data, cfg.actor, mini_batch_size=cfg.mini_batch_trajectories,
-                         temperature=cfg.rollout.temperature, pad_id=tokenizer.pad_token_id or 0,
-                         autocast_dtype=ctx.compute_dtype, seed=cfg.trainer.seed + ctx.iteration)
+    # Without old log-probs (the on-policy shortcut) the update uses its own; the reference only for a KL loss.
+    fields = ("advantages", "old_logprobs") + (("ref_logprobs",) if cfg.actor.use_kl_loss else ())
+    trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0, fields=fields)
+    metrics = run_update(model, optimizer, trajectories, cfg.actor, mini_batch_size=cfg.mini_batch_trajectories,
+                         temperature=cfg.rollout.temperature, autocast_dtype=ctx.compute_dtype,
+                         seed=cfg.trainer.seed + ctx.iteration)
     metrics["timing_s/save_checkpoint"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {
         "policy_version": ctx.iteration,
         "optimizer_steps": _steps_before(ctx, previous) + cfg.n_mini_batches * cfg.actor.ppo_epochs,
@@ -75,8 +69,8 @@ def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, flo
 
 
 def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:
-    from kfrl.engines.critic import CriticBatch
     from kfrl.engines.critic import update_critic as run_update
+    from kfrl.trajectory import Trajectories
 
     cfg = ctx.config
     previous = ctx.critic_manifest(ctx.iteration - 1)
@@ -85,18 +79,12 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
     optimizer = make_optimizer(model, cfg.critic)
     load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous))
 
-    data = CriticBatch(
-        prompts=table.column("prompt_ids").to_pylist(),
-        responses=table.column("response_ids").to_pylist(),
-        response_masks=table.column("response_mask").to_pylist(),
-        values=table.column("values").to_pylist(),
-        returns=table.column("returns").to_pylist(),
-    )
-    metrics = run_update(model, optimizer, data, mini_batch_size=cfg.critic_mini_batch_size * cfg.rollout.n,
+    trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0, fields=("values", "returns"))
+    metrics = run_update(model, optimizer, trajectories, mini_batch_size=cfg.critic_mini_batch_size * cfg.rollout.n,
                          micro_batch_size=cfg.critic.ppo_micro_batch_size_per_gpu, epochs=cfg.critic_ppo_epochs,
                          shuffle=cfg.critic_shuffle, grad_clip=cfg.critic.grad_clip,
                          cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic_loss_agg_mode,
-                         pad_id=tokenizer.pad_token_id or 0, autocast_dtype=ctx.compute_dtype,
+                         autocast_dtype=ctx.compute_dtype,
                          seed=cfg.trainer.seed + 7 * ctx.iteration)
     n_steps = (cfg.data.train_batch_size // cfg.critic_mini_batch_size) * cfg.critic_ppo_epochs
     metrics["timing_s/save_checkpoint_critic"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {

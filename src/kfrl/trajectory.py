@@ -1,0 +1,104 @@
+"""Trajectories as padded tensors: the one conversion between the batch's Arrow columns and torch,
+and back (in the style of torchtune's ``Trajectory``).
+
+With B trajectories, L = the longest response and T = the longest prompt + response:
+
+    input_ids         (B, T) long     prompt + response, right-padded with ``pad_id``
+    attention_mask    (B, T) long     1 on real tokens
+    gather_positions  (B, L) long     the position whose logits predict response token t
+                                      (padding points at the last real position)
+    response_ids      (B, L) long     right-padded with 0
+    response_mask     (B, L) float32  the rollout's mask, 0 on padding
+    lengths           (B,)   long     response lengths
+    fields[name]      (B, L) float32  per-token columns (rollout_logprobs, old_logprobs, ref_logprobs,
+                                      entropy, values, advantages, returns, token_level_rewards), 0 on padding
+
+Engines take a ``Trajectories`` and return (B, L) tensors; ``unpad`` turns them back into the
+per-row lists the Arrow columns hold. Padding is written once, in ``kfrl.batch.to_torch_padded``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pyarrow as pa
+import torch
+
+from kfrl.batch import to_torch_padded
+
+_INT_LISTS = pa.list_(pa.int32())
+_FLOAT_LISTS = pa.list_(pa.float32())
+
+
+def _padded(rows, *, floats: bool, pad_value=0) -> torch.Tensor:
+    array = pa.array(rows, type=_FLOAT_LISTS if floats else _INT_LISTS)
+    return to_torch_padded(pa.table({"x": array}), "x", pad_value=pad_value,
+                           dtype=torch.float32 if floats else torch.long)
+
+
+@dataclass
+class Trajectories:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    gather_positions: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    lengths: torch.Tensor
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def from_lists(cls, prompts: list[list[int]], responses: list[list[int]],
+                   response_masks: list[list[int]] | None = None, *, pad_id: int, device="cpu",
+                   fields: dict[str, list[list[float]]] | None = None) -> "Trajectories":
+        """From token-id lists (and per-token float lists, each row as long as its response)."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        sequences = _padded([list(p) + list(r) for p, r in zip(prompts, responses)], floats=False, pad_value=pad_id)
+        width = max(1, int(lengths.max()) if len(responses) else 1)
+
+        def per_token(rows, floats=True) -> torch.Tensor:
+            out = _padded(rows, floats=floats)
+            return torch.nn.functional.pad(out, (0, width - out.shape[1]))
+
+        response_ids = per_token(responses, floats=False)
+        mask = per_token(response_masks if response_masks is not None else [[1] * len(r) for r in responses])
+        positions = prompt_lengths[:, None] - 1 + torch.arange(width)
+        gather_positions = torch.minimum(positions, (prompt_lengths + lengths - 1)[:, None])
+        attention_mask = (torch.arange(sequences.shape[1]) < (prompt_lengths + lengths)[:, None]).long()
+        extra = {name: per_token(rows) for name, rows in (fields or {}).items() if rows is not None}
+        return cls(sequences, attention_mask, gather_positions, response_ids, mask, lengths, extra).to(device)
+
+    @classmethod
+    def from_table(cls, table: pa.Table, *, pad_id: int, device="cpu",
+                   fields: tuple[str, ...] = ()) -> "Trajectories":
+        """From a joined batch (``prompt_ids``, ``response_ids``, ``response_mask`` and the per-token
+        ``fields`` present in the table)."""
+        present = {name: table.column(name).to_pylist() for name in fields if name in table.column_names}
+        return cls.from_lists(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(),
+                              table.column("response_mask").to_pylist(), pad_id=pad_id, device=device,
+                              fields=present)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device) -> "Trajectories":
+        return Trajectories(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.gather_positions,
+                                                      self.response_ids, self.response_mask, self.lengths)),
+                            {k: v.to(device) for k, v in self.fields.items()})
+
+    def select(self, rows) -> "Trajectories":
+        return Trajectories(self.input_ids[rows], self.attention_mask[rows], self.gather_positions[rows],
+                            self.response_ids[rows], self.response_mask[rows], self.lengths[rows],
+                            {k: v[rows] for k, v in self.fields.items()})
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.fields.get(name)
+
+    def with_fields(self, **tensors: torch.Tensor) -> "Trajectories":
+        return replace(self, fields={**self.fields, **tensors})
+
+    def unpad(self, tensor: torch.Tensor) -> list[list[float]]:
+        """(B, L) → one list per trajectory, as long as its response (what the Arrow columns hold)."""
+        values = tensor.detach().float().cpu()
+        return [row[:n].tolist() for row, n in zip(values, self.lengths.tolist())]
