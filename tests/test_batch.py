@@ -180,3 +180,11 @@ def test_to_torch_padded():
     assert to_torch_padded(table, "response_mask", dtype=torch.bool).sum().item() == 6
     with pytest.raises(BatchError, match="expected a list"):
         to_torch_padded(table, "iteration")
+
+
+def test_left_padding_for_generation():
+    from kfrl.engines.rollout import left_pad
+
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, device="cpu", width=4)
+    assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]]
+    assert mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]

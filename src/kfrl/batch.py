@@ -353,8 +353,9 @@ def _append_group(result: pa.Table, base_name: str, base_ids: pa.Array, group: s
 
 
 def to_torch_padded(table: pa.Table, column: str, pad_value: float | int = 0,
-                    dtype: "torch.dtype | None" = None) -> "torch.Tensor":
-    """A ``(rows, max_len)`` right-padded tensor from a list column.
+                    dtype: "torch.dtype | None" = None, side: str = "right") -> "torch.Tensor":
+    """A ``(rows, max_len)`` tensor from a list column, padded on the right (or, with
+    ``side="left"``, on the left, as generation wants its prompts).
 
     Integer lists default to ``torch.long`` (what embedding lookups and ``gather`` want),
     float lists to ``torch.float32``.
@@ -383,6 +384,8 @@ def to_torch_padded(table: pa.Table, column: str, pad_value: float | int = 0,
         row_index = np.repeat(np.arange(rows), lengths)
         starts = np.cumsum(lengths) - lengths
         col_index = np.arange(flat.size) - np.repeat(starts, lengths)
+        if side == "left":
+            col_index += np.repeat(width - lengths, lengths)
         out[torch.from_numpy(row_index), torch.from_numpy(col_index)] = torch.from_numpy(flat).to(dtype)
     return out
 

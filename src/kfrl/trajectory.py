@@ -29,10 +29,11 @@ _INT_LISTS = pa.list_(pa.int32())
 _FLOAT_LISTS = pa.list_(pa.float32())
 
 
-def _padded(rows, *, floats: bool, pad_value=0) -> torch.Tensor:
+def padded(rows, *, floats: bool = False, pad_value=0, side: str = "right") -> torch.Tensor:
+    """(len(rows), longest) tensor of python lists (long, or float32 with ``floats``)."""
     array = pa.array(rows, type=_FLOAT_LISTS if floats else _INT_LISTS)
     return to_torch_padded(pa.table({"x": array}), "x", pad_value=pad_value,
-                           dtype=torch.float32 if floats else torch.long)
+                           dtype=torch.float32 if floats else torch.long, side=side)
 
 
 @dataclass
@@ -54,11 +55,11 @@ class Trajectories:
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
         prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        sequences = _padded([list(p) + list(r) for p, r in zip(prompts, responses)], floats=False, pad_value=pad_id)
+        sequences = padded([list(p) + list(r) for p, r in zip(prompts, responses)], floats=False, pad_value=pad_id)
         width = max(1, int(lengths.max()) if len(responses) else 1)
 
         def per_token(rows, floats=True) -> torch.Tensor:
-            out = _padded(rows, floats=floats)
+            out = padded(rows, floats=floats)
             return torch.nn.functional.pad(out, (0, width - out.shape[1]))
 
         response_ids = per_token(responses, floats=False)

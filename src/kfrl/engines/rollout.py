@@ -46,6 +46,18 @@ class RolloutEngine(Protocol):
                            seed: int | None = None) -> list[Generation]: ...
 
 
+def left_pad(sequences: list[list[int]], pad_id: int, device, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both (B, max(width, longest)), padded on the left as generation wants."""
+    from kfrl.trajectory import padded
+
+    ids = padded(sequences, pad_value=pad_id, side="left")
+    mask = padded([[1] * len(s) for s in sequences], side="left")
+    extra = max(0, width - ids.shape[1])
+    ids = torch.nn.functional.pad(ids, (extra, 0), value=pad_id)
+    mask = torch.nn.functional.pad(mask, (extra, 0))
+    return ids.to(device), mask.to(device)
+
+
 def truncate_at_eos(tokens: torch.Tensor, eos_ids: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Valid length of each row (up to and including the first EOS, else the whole row), and whether
     the row stopped at an EOS."""

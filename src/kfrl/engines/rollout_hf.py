@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kfrl.engines.rollout import Generation, SamplingParams, eos_token_ids, pad_token_id, truncate_at_eos
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if seq:
-            ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[row, width - len(seq):] = 1
-    return ids.to(device), mask.to(device)
+from kfrl.engines.rollout import (Generation, SamplingParams, eos_token_ids, left_pad, pad_token_id,
+                                  truncate_at_eos)
 
 
 class HFRollout:

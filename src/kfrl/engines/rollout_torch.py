@@ -32,7 +32,7 @@ import torch
 
 from kfrl.engines import kernels
 from kfrl.engines.decoder import Decoder
-from kfrl.engines.rollout import Generation, SamplingParams, generations_from_tokens
+from kfrl.engines.rollout import Generation, SamplingParams, generations_from_tokens, left_pad
 from kfrl.engines.sampling import sample_tokens
 
 LENGTH_BUCKET = 64          # attended columns grow in steps of this many
@@ -136,12 +136,8 @@ class TorchRollout:
         logits = []
         for start in range(0, len(prompts), per_chunk):
             chunk = prompts[start:start + per_chunk]
-            ids = torch.full((len(chunk), longest), self.pad_id, dtype=torch.long)
-            valid = torch.zeros((len(chunk), longest), dtype=torch.bool)
-            for row, prompt in enumerate(chunk):
-                ids[row, longest - len(prompt):] = torch.tensor(prompt)
-                valid[row, longest - len(prompt):] = True
-            ids, valid = ids.to(device), valid.to(device)
+            ids, valid = left_pad(chunk, self.pad_id, device, width=longest)
+            valid = valid.bool()
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
             kv = torch.empty((spec.n_layers, 2, len(chunk), spec.n_kv_heads, longest, spec.head_dim),
                              dtype=dec.dtype, device=device)
