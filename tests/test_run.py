@@ -70,3 +70,11 @@ def test_config_missing_names_the_uri(run):
     assert not run.has_config()
     with pytest.raises(RunLayoutError, match=r"no config.yaml at .*exp/run1/config.yaml"):
         run.config_text()
+
+
+def test_stage_seeds_are_stable_and_distinct():
+    from kfrl.stages.context import stage_seed
+
+    seeds = {stage_seed(1, stage, it, k) for stage in ("rollout", "update_actor") for it in (1, 2) for k in (0, 1)}
+    assert len(seeds) == 8 and all(0 <= s < 2**31 for s in seeds)
+    assert stage_seed(1, "rollout", 3) == stage_seed(1, "rollout", 3) != stage_seed(2, "rollout", 3)

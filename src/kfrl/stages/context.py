@@ -15,6 +15,13 @@ from kfrl.run import CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, Run, RunLayoutE
 from kfrl.store import Manifest, Store
 
 
+def stage_seed(run_seed: int, stage: str, iteration: int, stream: int = 0) -> int:
+    """The one seed derivation: stable and distinct per (trainer.seed, stage, iteration, stream), so a
+    retried or resumed stage draws exactly what the first attempt drew."""
+    digest = hashlib.sha256(f"{run_seed}/{stage}/{iteration}/{stream}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
 class StageInputError(RunLayoutError):
     """A stage's input is missing or unusable; the message names the URI and the stage to run first."""
 
@@ -51,6 +58,10 @@ class StageContext:
     @property
     def store(self) -> Store:
         return self.run.store
+
+    def seed(self, stage: str, stream: int = 0, iteration: int | None = None) -> int:
+        """``stage_seed`` for this run and iteration (or ``iteration``)."""
+        return stage_seed(self.config.trainer.seed, stage, self.iteration if iteration is None else iteration, stream)
 
     # --- committed inputs ------------------------------------------------------------------------
     def manifest(self, stage: str, iteration: int | None = None) -> Manifest:

@@ -93,8 +93,7 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
                                    cfg.data.max_prompt_length, f"{source} row {int(i)}", cfg.data.truncation)
                    for r, i in zip(records, rows)]
         started = time.perf_counter()
-        generations = engine.generate_responses(prompts, params,
-                                                seed=cfg.trainer.seed * 1_000_003 + ctx.iteration + 7_919 * k)
+        generations = engine.generate_responses(prompts, params, seed=ctx.seed("rollout", stream=k))
         generate_seconds.append(time.perf_counter() - started)
         # The prompt group id; extra generation batches get their own so groups never merge.
         tag = f"it{ctx.iteration:06d}" + (f"-g{k}" if k else "")

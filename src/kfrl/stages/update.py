@@ -60,7 +60,7 @@ def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, flo
     trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0, fields=fields)
     metrics = run_update(model, optimizer, trajectories, cfg.actor, mini_batch_size=cfg.mini_batch_trajectories,
                          temperature=cfg.rollout.temperature, autocast_dtype=ctx.compute_dtype,
-                         seed=cfg.trainer.seed + ctx.iteration)
+                         seed=ctx.seed("update_actor"))
     metrics["timing_s/save_checkpoint"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {
         "policy_version": ctx.iteration,
         "optimizer_steps": _steps_before(ctx, previous) + cfg.n_mini_batches * cfg.actor.ppo_epochs,
@@ -85,7 +85,7 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
                          shuffle=cfg.critic_shuffle, grad_clip=cfg.critic.grad_clip,
                          cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic_loss_agg_mode,
                          autocast_dtype=ctx.compute_dtype,
-                         seed=cfg.trainer.seed + 7 * ctx.iteration)
+                         seed=ctx.seed("update_critic"))
     n_steps = (cfg.data.train_batch_size // cfg.critic_mini_batch_size) * cfg.critic_ppo_epochs
     metrics["timing_s/save_checkpoint_critic"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {
         "optimizer_steps": _steps_before(ctx, previous) + n_steps})

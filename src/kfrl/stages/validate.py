@@ -56,7 +56,8 @@ def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]
     params = SamplingParams(n=kw.n, temperature=kw.temperature if not greedy else 1.0, top_p=kw.top_p,
                             top_k=kw.top_k, max_new_tokens=cfg.data.max_response_length, do_sample=not greedy)
     engine = ctx.rollout_engine(policy, micro_batch_size=cfg.data.val_batch_size or cfg.rollout.micro_batch_size)
-    generations = engine.generate_responses(prompts, params, seed=cfg.trainer.seed * 1_000_003 + 104_729)
+    # The same draws at every validation (iteration 0's seed), so validations compare like with like.
+    generations = engine.generate_responses(prompts, params, seed=ctx.seed("validate", iteration=0))
     expanded = [i for i in range(len(records)) for _ in range(kw.n)]
     data_sources = [str(records[i].get(cfg.data.reward_fn_key, "")) for i in expanded]
     truths = [ground_truth_of(records[i]) for i in expanded]
