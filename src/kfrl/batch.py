@@ -136,21 +136,18 @@ def validate(group: str, table: pa.Table, source: str) -> pa.Table:
 def _check_column_names(group: str, schema: pa.Schema, found: list[str], source: str) -> None:
     expected = schema.names
     missing = [c for c in expected if c not in found]
-    if missing:
-        raise BatchError(
-            f"{source}: column {missing[0]!r} is missing from the {group!r} batch "
-            f"(missing: {missing}; expected columns: {expected}; found: {list(found)})",
-            source=source, column=missing[0])
     duplicated = sorted({c for c in found if list(found).count(c) > 1})
-    if duplicated:
-        raise BatchError(f"{source}: column {duplicated[0]!r} appears more than once",
-                         source=source, column=duplicated[0])
     extra = [c for c in found if c not in expected]
-    if extra:
-        raise BatchError(
-            f"{source}: column {extra[0]!r} is not part of the {group!r} group (extra: {extra}; "
-            f"the group has: {expected}); drop it or write it as part of the group that owns it",
-            source=source, column=extra[0])
+    problems = (
+        (missing, f"is missing from the {group!r} batch (missing: {missing}; expected columns: {expected}; "
+                  f"found: {list(found)})"),
+        (duplicated, "appears more than once"),
+        (extra, f"is not part of the {group!r} group (extra: {extra}; the group has: {expected}); drop it or "
+                "write it as part of the group that owns it"),
+    )
+    for columns, problem in problems:
+        if columns:
+            raise BatchError(f"{source}: column {columns[0]!r} {problem}", source=source, column=columns[0])
 
 
 def _cast_column(column: pa.ChunkedArray, field: pa.Field, source: str) -> pa.ChunkedArray:

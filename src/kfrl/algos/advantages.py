@@ -271,19 +271,9 @@ def _grpo(x: AdvantageInputs):
     return grpo_advantage(x.scores, x.mask, x.groups, x.norm_adv_by_std, x.epsilon)
 
 
-@register_adv_est("rloo")
-def _rloo(x: AdvantageInputs):
-    return rloo_advantage(x.scores, x.mask, x.groups)
-
-
-@register_adv_est("opo")
-def _opo(x: AdvantageInputs):
-    return opo_advantage(x.scores, x.mask, x.groups)
-
-
-@register_adv_est("gpg")
-def _gpg(x: AdvantageInputs):
-    return gpg_advantage(x.scores, x.mask, x.groups)
+# Estimators of the sequence scores against the prompt group (leave-one-out, optimal or plain baselines).
+for _name, _group_estimator in (("rloo", rloo_advantage), ("opo", opo_advantage), ("gpg", gpg_advantage)):
+    register_adv_est(_name)(lambda x, fn=_group_estimator: fn(x.scores, x.mask, x.groups))
 
 
 @register_adv_est("grpo_passk")

@@ -100,38 +100,39 @@ def _remove_right_units(string: str) -> str:
     return parts[0]
 
 
-def _fix_sqrt(string: str) -> str:
-    r"""`\sqrt3` -> `\sqrt{3}` (one character becomes the argument)."""
-    head, *pieces = string.split("\\sqrt")
+def _brace_arguments(string: str, macro: str, brace_piece) -> str:
+    """Rewrites what follows each unbraced ``macro``: ``brace_piece(piece)`` gives the braced text
+    (None: leave the whole string unchanged); an empty piece is an error, a braced one is kept."""
+    head, *pieces = string.split(macro)
     out = [head]
     for piece in pieces:
         if not piece:
-            raise MathNormalizationError(f"'\\sqrt' without an argument in {string!r}")
-        if piece.startswith("{"):
-            out.append("\\sqrt" + piece)
-        else:
-            out.append("\\sqrt{" + piece[0] + "}" + piece[1:])
+            raise MathNormalizationError(f"'{macro}' without an argument in {string!r}")
+        fixed = piece if piece.startswith("{") else brace_piece(piece)
+        if fixed is None:
+            return string
+        out.append(macro + fixed)
     return "".join(out)
+
+
+def _fix_sqrt(string: str) -> str:
+    r"""`\sqrt3` -> `\sqrt{3}` (one character becomes the argument)."""
+    return _brace_arguments(string, "\\sqrt", lambda piece: "{" + piece[0] + "}" + piece[1:])
+
+
+def _braced_fraction(piece: str) -> str | None:
+    if len(piece) < 2:
+        return None
+    if piece[1] == "{":  # \frac1{72}: only the numerator needs braces
+        return "{" + piece[0] + "}" + piece[1:]
+    return "{" + piece[0] + "}{" + piece[1] + "}" + piece[2:]
 
 
 def _fix_fracs(string: str) -> str:
     r"""`\frac12` -> `\frac{1}{2}`, `\frac1{72}` -> `\frac{1}{72}`: the first one or two
     characters after an unbraced `\frac` become its braced arguments. A `\frac` followed by a
     single character leaves the whole string unchanged."""
-    head, *pieces = string.split("\\frac")
-    out = [head]
-    for piece in pieces:
-        if not piece:
-            raise MathNormalizationError(f"'\\frac' without arguments in {string!r}")
-        if piece.startswith("{"):
-            out.append("\\frac" + piece)
-        elif len(piece) < 2:
-            return string
-        elif piece[1] == "{":  # \frac1{72}: only the numerator needs braces
-            out.append("\\frac{" + piece[0] + "}" + piece[1:])
-        else:
-            out.append("\\frac{" + piece[0] + "}{" + piece[1] + "}" + piece[2:])
-    return "".join(out)
+    return _brace_arguments(string, "\\frac", _braced_fraction)
 
 
 def _fix_a_slash_b(string: str) -> str:
