@@ -15,7 +15,6 @@ from kfrl.data.synthetic import (
     DATA_SOURCE,
     make_arith_rows,
     reference_solution,
-    write_arith_parquet,
 )
 from kfrl.models import tiny
 from kfrl.models.hf_io import load_causal_lm, load_tokenizer, save_hf
@@ -92,12 +91,18 @@ def test_unknown_split_is_rejected():
         make_arith_rows(1, seed=0, split="validation")
 
 
-def test_parquet_round_trip(tmp_path):
-    paths = write_arith_parquet(tmp_path / "arith", n_train=16, n_test=8, seed=5)
-    assert paths == {"train": tmp_path / "arith" / "train.parquet", "test": tmp_path / "arith" / "test.parquet"}
-    train = pq.read_table(paths["train"])
+def test_builtin_data_is_committed_in_verls_schema_and_round_trips(tmp_path):
+    from kfrl.config import load_config
+    from kfrl.stages.prepare import prepare_data
+    from kfrl.store import Store
+
+    cfg = load_config(None, ["data.builtin_train_size=16", "data.val_files=builtin:arith", "data.builtin_val_size=8",
+                             "data.seed=5"])
+    store = Store(str(tmp_path / "run"))
+    prepare_data(store, cfg)
+    train = pq.read_table(store.download(store.manifest("data/train"), tmp_path / "train"))
     assert train.to_pylist() == make_arith_rows(16, seed=5, split="train")
-    assert pq.read_table(paths["test"]).to_pylist() == make_arith_rows(8, seed=5, split="test")
+    assert train.num_rows == 16 and pq.read_table(store.download(store.manifest("data/val"), tmp_path / "val")).num_rows == 8
     assert str(train.schema.field("prompt").type) == "list<element: struct<role: string, content: string>>"
     assert str(train.schema.field("reward_model").type) == "struct<style: string, ground_truth: string>"
 

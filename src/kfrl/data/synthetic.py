@@ -11,10 +11,6 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 DATA_SOURCE = "kfrl/arith"
 ABILITY = "math"
@@ -120,15 +116,3 @@ def make_arith_rows(n: int, seed: int, split: str) -> list[dict]:
         problem_to_row(problem, split, index)
         for index, problem in enumerate(sample_problems(n, seed, split))
     ]
-
-
-def write_arith_parquet(out_dir: str | Path, n_train: int, n_test: int, seed: int) -> dict[str, Path]:
-    """Write train.parquet and test.parquet into out_dir; return their paths by split."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, Path] = {}
-    for split, n in (("train", n_train), ("test", n_test)):
-        path = out_dir / f"{split}.parquet"
-        pq.write_table(pa.Table.from_pylist(make_arith_rows(n, seed, split)), path)
-        paths[split] = path
-    return paths
