@@ -18,7 +18,7 @@ per-row lists the Arrow columns hold. Padding is written once, in ``kfrl.batch.t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import torch
@@ -53,32 +53,34 @@ class Trajectories:
         """From token-id lists (and per-token float lists, each row as long as its response)."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
-        prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        sequences = padded([list(p) + list(r) for p, r in zip(prompts, responses)], floats=False, pad_value=pad_id)
-        width = max(1, int(lengths.max()) if len(responses) else 1)
-
-        def per_token(rows, floats=True) -> torch.Tensor:
-            out = padded(rows, floats=floats)
-            return torch.nn.functional.pad(out, (0, width - out.shape[1]))
-
-        response_ids = per_token(responses, floats=False)
-        mask = per_token(response_masks if response_masks is not None else [[1] * len(r) for r in responses])
-        positions = prompt_lengths[:, None] - 1 + torch.arange(width)
-        gather_positions = torch.minimum(positions, (prompt_lengths + lengths - 1)[:, None])
-        attention_mask = (torch.arange(sequences.shape[1]) < (prompt_lengths + lengths)[:, None]).long()
-        extra = {name: per_token(rows) for name, rows in (fields or {}).items() if rows is not None}
-        return cls(sequences, attention_mask, gather_positions, response_ids, mask, lengths, extra).to(device)
+        masks = response_masks if response_masks is not None else [[1] * len(r) for r in responses]
+        columns = {"prompt_ids": pa.array(prompts, _INT_LISTS), "response_ids": pa.array(responses, _INT_LISTS),
+                   "response_mask": pa.array(masks, _INT_LISTS)}
+        columns.update({name: pa.array(rows, _FLOAT_LISTS) for name, rows in (fields or {}).items()
+                        if rows is not None})
+        return cls.from_table(pa.table(columns), pad_id=pad_id, device=device, fields=tuple(fields or ()))
 
     @classmethod
     def from_table(cls, table: pa.Table, *, pad_id: int, device="cpu",
                    fields: tuple[str, ...] = ()) -> "Trajectories":
         """From a joined batch (``prompt_ids``, ``response_ids``, ``response_mask`` and the per-token
-        ``fields`` present in the table)."""
-        present = {name: table.column(name).to_pylist() for name in fields if name in table.column_names}
-        return cls.from_lists(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(),
-                              table.column("response_mask").to_pylist(), pad_id=pad_id, device=device,
-                              fields=present)
+        ``fields`` present in the table). Per-token columns go from Arrow to tensors directly."""
+        prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        sequences = padded([p + r for p, r in zip(prompts, responses)], pad_value=pad_id)
+        width = max(1, int(lengths.max()) if len(responses) else 1)
+
+        def per_token(name: str, dtype) -> torch.Tensor:
+            out = to_torch_padded(table, name, dtype=dtype)
+            return torch.nn.functional.pad(out, (0, width - out.shape[1]))
+
+        positions = prompt_lengths[:, None] - 1 + torch.arange(width)
+        gather_positions = torch.minimum(positions, (prompt_lengths + lengths - 1)[:, None])
+        attention_mask = (torch.arange(sequences.shape[1]) < (prompt_lengths + lengths)[:, None]).long()
+        extra = {name: per_token(name, torch.float32) for name in fields if name in table.column_names}
+        return cls(sequences, attention_mask, gather_positions, per_token("response_ids", torch.long),
+                   per_token("response_mask", torch.float32), lengths, extra).to(device)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -95,9 +97,6 @@ class Trajectories:
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.fields.get(name)
-
-    def with_fields(self, **tensors: torch.Tensor) -> "Trajectories":
-        return replace(self, fields={**self.fields, **tensors})
 
     def unpad(self, tensor: torch.Tensor) -> list[list[float]]:
         """(B, L) → one list per trajectory, as long as its response (what the Arrow columns hold)."""

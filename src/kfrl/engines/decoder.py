@@ -243,13 +243,8 @@ class Decoder:
         x = F.embedding(input_ids, self.embed)
         for layer, block in enumerate(self.blocks):
             qkv = F.linear(self._norm(x, block.input_norm), block.qkv_weight, block.qkv_bias)
-            q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
-            q = q.unflatten(-1, (s.n_heads, s.head_dim))
-            k = k.unflatten(-1, (s.n_kv_heads, s.head_dim))
-            v = v.unflatten(-1, (s.n_kv_heads, s.head_dim))
-            if block.q_norm is not None:
-                q, k = self._norm(q, block.q_norm), self._norm(k, block.k_norm)
-            q, k = kernels.rotate(q, cos, sin), kernels.rotate(k, cos, sin)
+            q, k, v = kernels.split_rotated_qkv(qkv, cos, sin, block.q_norm, block.k_norm, s.rms_norm_eps,
+                                                s.n_heads, s.n_kv_heads, s.head_dim)
             k, v = k.transpose(1, 2), v.transpose(1, 2)          # (P, kv_heads, S, hd)
             kv_out[layer, 0].copy_(k)
             kv_out[layer, 1].copy_(v)

@@ -2,15 +2,17 @@
 
 A decode step at rollout batch sizes is bound by kernel count, not arithmetic: written with plain
 PyTorch ops a Qwen2.5-0.5B step launches ~1,100 kernels (an RMSNorm alone is eight), which costs
-more than reading the weights. These four kernels bring a transformer block to about ten launches:
+more than reading the weights. These kernels bring a transformer block to about ten launches:
 
 - ``add_rms_norm``: residual add + RMSNorm (one read of x and delta, one write each of x and h);
 - ``rope_to_cache``: q/k RMSNorm (Qwen3), rotary embedding of q and k, and the K/V cache write;
+- ``decode_attention``: one query token per sequence against the cache, the query heads of a KV
+  head together (grouped-query attention without repeating K/V), online softmax over column blocks;
 - ``silu_mul``: the SwiGLU activation on the fused gate/up projection;
 - ``sample_and_record``: temperature sampling (Gumbel-max with in-kernel Philox noise) or greedy
   choice, the chosen token's log-prob under log_softmax(logits / T) by an online log-sum-exp, and
-  the step's bookkeeping (output write, EOS check, next token and position) in one pass over the
-  logits, so the (batch, vocab) logits are read once and never copied to fp32.
+  the step's bookkeeping (output write, EOS check, next token and position), in two kernels over
+  vocabulary slices, so the (batch, vocab) logits are read once and never copied to fp32.
 
 Every kernel has a PyTorch reference with the same signature; the CPU path runs the references, and
 the tests check each kernel against its reference (through Triton's interpreter where no GPU exists).
@@ -54,18 +56,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
-                      n_heads: int, n_kv_heads: int, head_dim: int):
-    """qkv (b, (heads + 2 kv_heads) * hd) → q (b, heads, hd) rotated; k rotated and v written into
-    keys/values (b, kv_heads, columns, hd) at ``column`` (1,)."""
+def split_rotated_qkv(qkv, cos, sin, q_norm, k_norm, eps, n_heads: int, n_kv_heads: int, head_dim: int):
+    """qkv (..., (heads + 2 kv_heads) * hd) → q (..., heads, hd), k and v (..., kv_heads, hd), with the
+    q/k norms (Qwen3) and the rotary embedding applied; cos/sin broadcast as (..., 1, hd)."""
     q, k, v = qkv.split((n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim), dim=-1)
     q = q.unflatten(-1, (n_heads, head_dim))
     k = k.unflatten(-1, (n_kv_heads, head_dim))
     v = v.unflatten(-1, (n_kv_heads, head_dim))
     if q_norm is not None:
         q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
+                      n_heads: int, n_kv_heads: int, head_dim: int):
+    """qkv (b, (heads + 2 kv_heads) * hd) → q (b, heads, hd) rotated; k rotated and v written into
+    keys/values (b, kv_heads, columns, hd) at ``column`` (1,)."""
     cos, sin = cos_table[positions].unsqueeze(-2), sin_table[positions].unsqueeze(-2)
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    q, k, v = split_rotated_qkv(qkv, cos, sin, q_norm, k_norm, eps, n_heads, n_kv_heads, head_dim)
     keys.index_copy_(2, column, k.unsqueeze(2))
     values.index_copy_(2, column, v.unsqueeze(2))
     return q

@@ -83,6 +83,7 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
                             top_k=cfg.rollout.top_k, max_new_tokens=cfg.data.max_response_length)
     dynamic = cfg.algorithm.filter_groups.enable
     batch_size = cfg.gen_batch_size if dynamic else cfg.data.train_batch_size
+    rewards = ctx.rewards(tokenizer) if dynamic else None  # DAPO's filter scores every generation batch
     generate_seconds: list[float] = []
 
     def generate(data_batch: int, k: int) -> GenBatch:
@@ -108,7 +109,7 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
         if not dynamic:
             kept = [(gen, g) for g in range(len(gen.uids))]
             break
-        kept.extend((gen, g) for g in _filter(ctx, gen, tokenizer))
+        kept.extend((gen, g) for g in _filter(ctx, gen, rewards))
         if len(kept) >= cfg.data.train_batch_size:
             kept = kept[:cfg.data.train_batch_size]
             break
@@ -164,14 +165,14 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
     return columns, metrics
 
 
-def _filter(ctx: StageContext, gen: GenBatch, tokenizer) -> list[int]:
+def _filter(ctx: StageContext, gen: GenBatch, rewards) -> list[int]:
     """DAPO's group filter over one generation batch: the prompt indices to keep."""
     from kfrl.algos.shaping import kept_groups
 
     cfg = ctx.config
     n = cfg.rollout.n
     records = [r for r in gen.records for _ in range(n)]
-    scored = ctx.rewards(tokenizer).score(
+    scored = rewards.score(
         [g.response_ids for g in gen.generations], [str(r.get(cfg.data.reward_fn_key, "")) for r in records],
         [ground_truth_of(r) for r in records], [r.get("extra_info") for r in records],
         [json.dumps(prompt_messages(r, cfg.data.prompt_key, "row"), default=str) for r in records])
