@@ -30,7 +30,7 @@ def test_missing_model_path_names_it(tmp_path):
     result = runner.invoke(app, ["train", "--config", "configs/demo.yaml", "--store", str(tmp_path / "s"),
                                  "--tracking-uri", f"sqlite:///{tmp_path}/m.db", "--runner", "inline",
                                  "model.path=/nowhere/model"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # refused while preparing: nothing ran
     assert "/nowhere/model" in result.output
 
 

@@ -130,7 +130,31 @@ def validate(group: str, table: pa.Table, source: str) -> pa.Table:
     if group == "rollout":
         _check_finish_reasons(table, source)
     check_token_lengths(table, source)
+    check_finite(table, source)
     return table
+
+
+def check_finite(table: pa.Table, source: str) -> None:
+    """No NaN or infinity in a float column: a NaN log-prob, value or advantage would silently turn
+    every later loss into NaN, so the stage that produced it stops, naming the column and sample."""
+    for field in table.schema:
+        per_token = pa.types.is_list(field.type) and pa.types.is_floating(field.type.value_type)
+        if not (per_token or pa.types.is_floating(field.type)):
+            continue
+        column = table.column(field.name).combine_chunks()
+        values = pc.list_flatten(column) if per_token else column
+        finite = pc.fill_null(pc.is_finite(values), True)
+        if pc.all(finite).as_py():
+            continue
+        position = pc.index(finite, False).as_py()
+        row = pc.list_parent_indices(column)[position].as_py() if per_token else position
+        bad_rows = len(set(pc.list_parent_indices(column).filter(pc.invert(finite)).to_pylist())) if per_token \
+            else pc.sum(pc.invert(finite).cast(pa.int64())).as_py()
+        raise BatchError(
+            f"{source}: column {field.name!r} holds {values[position].as_py()} for sample "
+            f"{table.column('sample_id')[row].as_py()!r} ({bad_rows} of {table.num_rows} samples have a non-finite "
+            "value); the stage that computed it diverged or was given non-finite inputs", source=source,
+            column=field.name)
 
 
 def _check_column_names(group: str, schema: pa.Schema, found: list[str], source: str) -> None:
@@ -246,13 +270,15 @@ def check_token_lengths(table: pa.Table, source: str) -> None:
 # files
 
 
-def table_from_parquet_bytes(data: bytes, source: str) -> pa.Table:
-    """Parse Parquet bytes; anything unreadable becomes a BatchError naming ``source``."""
+def table_from_parquet_bytes(data: bytes, source: str, *, written_by: str = "") -> pa.Table:
+    """Parse Parquet bytes; anything unreadable becomes a BatchError naming ``source``. ``written_by``
+    names who can fix the file (a user's data file); by default, the stage that wrote it."""
     try:
         return pq.read_table(pa.BufferReader(data))
     except (pa.ArrowException, OSError) as err:
-        raise BatchError(f"{source}: not a readable Parquet file ({err}); it is corrupt or truncated, "
-                         "re-run the stage that wrote it", source=source) from err
+        fix = (f"write it again ({written_by})" if written_by else "re-run the stage that wrote it")
+        raise BatchError(f"{source}: not a readable Parquet file ({err}); it is corrupt or truncated, {fix}",
+                         source=source) from err
 
 
 def write_group(attempt: "Attempt", group: str, table: pa.Table, name: str = "part-00000.parquet") -> None:

@@ -1,19 +1,33 @@
 """`kfrl` command line: a thin layer over kfrl.controller and kfrl.pipelines."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
+# Exit statuses: 0 done, 1 failed while running (nothing committed is lost; resume with --run-id),
+# 2 refused before doing anything (a bad input or a run that cannot go on as asked).
+EXIT_FAILED, EXIT_REFUSED = 1, 2
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="veRL-style RL post-training of LLMs as Kubeflow Pipelines.")
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+def _fail(message: str, code: int = EXIT_REFUSED) -> None:
+    from kfrl.tracking import redact
+
+    typer.secho(f"error: {redact(message)}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
+
+
+def _unexpected(err: Exception) -> None:
+    """One line for an error nobody anticipated; KFRL_TRACEBACK=1 shows the traceback."""
+    if os.environ.get("KFRL_TRACEBACK"):
+        raise err
+    _fail(f"{type(err).__name__}: {err}\n(set KFRL_TRACEBACK=1 to see the traceback)", code=EXIT_FAILED)
 
 
 def _load(config: Optional[Path], overrides: List[str], store: Optional[str], tracking_uri: Optional[str],
@@ -48,10 +62,16 @@ def train(
     run_id: Optional[str] = typer.Option(None, "--run-id", help="resume (or name) this run"),
     runner: Optional[str] = typer.Option(None, "--runner", help="local (KFP local runner) | inline | kfp"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and stage plan; run nothing"),
+    reprepare: bool = typer.Option(False, "--reprepare", help="repair a run (--run-id) that recorded no iteration: "
+                                   "prepare it again (data, initial weights, config) from this invocation"),
 ):
     """Train: one KFP pipeline run per RL iteration, metrics and checkpoints to MLflow."""
+    if iterations is not None and iterations < 1:
+        _fail(f"--iterations must be at least 1 (got {iterations})")
+    if reprepare and not run_id:
+        _fail("--reprepare repairs an existing run: give its --run-id")
     cfg = _load(config, overrides, store, tracking_uri, runner)
-    if iterations:
+    if iterations is not None:
         cfg.trainer.total_iterations = iterations
     if dry_run:
         from kfrl import dryrun
@@ -62,15 +82,21 @@ def train(
         for w in warnings:
             typer.secho(f"warning: {w}", fg=typer.colors.YELLOW, err=True)
         return
+    from kfrl.controller import TrainingRefused
     from kfrl.controller import train as run_training
     from kfrl.runners import IterationFailed
+    from kfrl.tracking import TrackingError
 
     try:
-        summary = run_training(cfg, run_id=run_id, iterations=iterations)
+        summary = run_training(cfg, run_id=run_id, iterations=iterations, reprepare=reprepare)
+    except (TrainingRefused, TrackingError) as err:
+        _fail(str(err))
     except IterationFailed as err:
-        _fail(f"{err}\nNothing committed is lost: re-run with --run-id to resume.", code=1)
+        _fail(f"{err}\nNothing committed is lost: re-run with --run-id to resume.", code=EXIT_FAILED)
     except (FileNotFoundError, ValueError, RuntimeError) as err:
-        _fail(f"{type(err).__name__}: {err}", code=1)
+        _fail(f"{type(err).__name__}: {err}", code=EXIT_FAILED)
+    except Exception as err:  # noqa: BLE001 - MLflow, HTTP and library errors: one line, not 400
+        _unexpected(err)
     typer.echo(f"done: run {summary.run_id} at {summary.run_uri}; MLflow run {summary.mlflow_run_id}")
 
 

@@ -22,7 +22,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never meaningful settings (rollout.temperature=inf samples garbage silently).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DataConfig(Section):
@@ -218,7 +219,20 @@ class TrainerConfig(Section):
 class StoreConfig(Section):
     # Local folder, file:// or s3://bucket/prefix. S3 endpoint and credentials come from AWS_* variables.
     uri: str = "./kfrl-runs/store"
-    retries: int = Field(4, ge=0)
+    # Transient errors (connection trouble, timeouts, 5xx, throttling) are retried up to `retries`
+    # times, waiting backoff_s, 2 x backoff_s, ... (at most max_backoff_s) in between: the defaults
+    # ride out ~1.5 min of an object store that is away (a restarting MinIO pod, an S3 throttling burst).
+    retries: int = Field(8, ge=0)
+    backoff_s: float = Field(0.5, ge=0)
+    max_backoff_s: float = Field(20.0, ge=0)
+    # S3: seconds a request may wait to connect, and for the next bytes of a response, before it
+    # counts as a transient failure (a stalled read is retried, not waited on for minutes).
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(20.0, gt=0)
+
+    def options(self) -> dict:
+        """Keyword arguments of ``kfrl.store.Store`` for this section."""
+        return self.model_dump(exclude={"uri"})
 
 
 class TrackingConfig(Section):
@@ -437,6 +451,37 @@ def _validation_error(err: ValidationError) -> ConfigError:
     return ConfigError("invalid config:\n  " + "\n  ".join(lines))
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML without silent surprises: a key given twice in one mapping is an error, not "last wins"."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice in one mapping (first on line {seen[key] + 1})",
+                key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """Parse YAML strictly; a syntax error or a duplicate key becomes a ConfigError naming ``source``
+    and the line."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{source}, line {mark.line + 1} column {mark.column + 1}" if mark is not None else source
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{where}: {problem}") from None
+
+
 def build_config(tree: dict) -> Config:
     _check_keys(tree, Config)
     try:
@@ -459,7 +504,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        loaded = load_yaml(p.read_text(), str(p)) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping of sections at the top level")
         tree = loaded
@@ -497,5 +542,8 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-def config_from_yaml_text(text: str) -> Config:
-    return build_config(yaml.safe_load(text) or {})
+def config_from_yaml_text(text: str, source: str = "config.yaml") -> Config:
+    tree = load_yaml(text, source) or {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    return build_config(tree)

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kfrl.config import Config
+from kfrl.faults import failpoint
 from kfrl.run import POLICY_STAGE, Run
 from kfrl.stages import METRIC_ORDER, STAGES, TIMING_NAMES, plan, skip_reason
 from kfrl.store import Store
@@ -21,6 +22,19 @@ from kfrl.store import Store
 # Sections that say where and how a run executes, not what it computes: a resumed run takes them
 # from the current invocation, everything else from the stored config.
 EXECUTION_SECTIONS = ("store", "tracking", "pipeline")
+
+
+class TrainingRefused(ValueError):
+    """The run cannot start or go on as asked, found before any stage ran; the message says why and
+    what to do (the CLI exits with status 2)."""
+
+
+def _preparation_input_errors() -> tuple[type[BaseException], ...]:
+    from kfrl.batch import BatchError
+    from kfrl.data.dataset import DatasetError
+    from kfrl.models.hf_io import CorruptWeightsError
+
+    return (BatchError, DatasetError, CorruptWeightsError, FileNotFoundError, ImportError, AttributeError)
 
 
 def new_run_id() -> str:
@@ -54,6 +68,35 @@ def resolve_resume(stored: Config, given: Config, total_iterations: int | None) 
     tree["trainer"]["total_iterations"] = (total_iterations or given.trainer.total_iterations
                                            or stored.trainer.total_iterations)
     return Config.model_validate(tree), ignored
+
+
+def check_iterations(run_id: str, latest: int | None, iterations: int | None) -> None:
+    """``--iterations`` is the run's total: at least 1, and never below what is already recorded."""
+    if iterations is None:
+        return
+    if iterations < 1:
+        raise TrainingRefused(f"--iterations must be at least 1 (got {iterations})")
+    if latest is not None and iterations < latest:
+        raise TrainingRefused(f"run {run_id} has already recorded {latest} iterations (LATEST); --iterations {iterations} "
+                            f"is the run's total and cannot be below that. Give --iterations {latest} or more, or "
+                            f"export its policy after iteration {iterations} with `kfrl export --run {run_id} "
+                            f"--iteration {iterations}`")
+
+
+def check_store_matches_tracking(run: Run, run_id: str, latest: int | None, recorded: int, mlflow_run_id: str) -> None:
+    """Refuse to recompute what MLflow already recorded. The controller logs an iteration, then moves
+    LATEST, so MLflow may be one iteration ahead (a kill in between); more than that, or an iteration
+    MLflow has whose stages are not in the store, means the store was wiped or is not the run's."""
+    done = latest or 0
+    if recorded <= done:
+        return
+    if recorded == done + 1 and run.is_committed(POLICY_STAGE, recorded):
+        return
+    raise TrainingRefused(
+        f"MLflow run {mlflow_run_id} of kfrl run {run_id} has recorded iterations up to {recorded}, but the store at "
+        f"{run.uri} has {'no LATEST' if latest is None else f'LATEST={latest}'} and lacks iteration {recorded}'s "
+        "commits: the store was wiped or replaced, or this is not the store the run wrote to. Nothing was "
+        "recomputed. Point --store at the run's store, or start a new run (without --run-id)")
 
 
 def resolve_total(run: Run, config: Config) -> Config:
@@ -128,35 +171,58 @@ class StageWatcher:
             self._stop.wait(self.interval)
 
 
-def train(config: Config, *, run_id: str | None = None, iterations: int | None = None, console=None,
-          log_dir: str | Path | None = None) -> TrainSummary:
+def train(config: Config, *, run_id: str | None = None, iterations: int | None = None, reprepare: bool = False,
+          console=None, log_dir: str | Path | None = None) -> TrainSummary:
+    """Run (or resume, with ``run_id``) a training run to ``iterations`` (its total). ``reprepare``
+    repairs a run that recorded no iteration: its preparation is withdrawn and done again from ``config``."""
     from rich.console import Console
 
     from kfrl.runners import make_runner
     from kfrl.stages.prepare import prepare_run
-    from kfrl.tracking import Tracker
+    from kfrl.tracking import Tracker, check_reachable, credentials_to_environment
 
     console = console or Console()
-    root = Store(config.store.uri, retries=config.store.retries)
+    failpoint("startup")
+    # Credentials in the tracking URI go to MLflow's variables: the config is stored, printed and logged.
+    config = config.model_copy(update={"tracking": config.tracking.model_copy(
+        update={"uri": credentials_to_environment(config.tracking.uri)})})
+    check_reachable(config.tracking.uri)  # seconds, before anything is written
+    root = Store(config.store.uri, **config.store.options())
     root.ping()
     run_id = run_id or new_run_id()
     run_uri = root.url(f"{config.trainer.experiment_name}/{run_id}")
-    run = Run.at(run_uri, retries=config.store.retries)
+    run = Run.at(run_uri, **config.store.options())
+    latest = run.latest()
+    check_iterations(run_id, latest, iterations)
+    if reprepare:
+        if latest is not None:
+            raise TrainingRefused(f"run {run_id} has recorded iterations up to {latest}; --reprepare only repairs a run "
+                                "that recorded none. Start a new run (without --run-id), e.g. from its exported policy")
+        withdrawn = run.withdraw_all()
+        console.print(f"[yellow]re-preparing run {run_id}: withdrew its config and {withdrawn} commits; this "
+                      "invocation's config and inputs are used[/]")
 
     if run.has_config():
         config, ignored = resolve_resume(run.config(), config, iterations)
         if ignored:
-            console.print(f"[yellow]resuming {run_id}: its stored config wins for {', '.join(ignored)}[/]")
+            hint = " (no iteration is recorded yet: --reprepare starts it again with the new values)" \
+                if latest is None else ""
+            console.print(f"[yellow]resuming {run_id}: its stored config wins for {', '.join(ignored)}{hint}[/]")
     elif iterations:
         config = config.model_copy(update={"trainer": config.trainer.model_copy(
             update={"total_iterations": iterations})})
     with console.status(f"preparing run {run_id} (data, initial policy)"):
-        prepare_run(run.store, config)
+        try:
+            prepare_run(run.store, config)
+        except _preparation_input_errors() as err:
+            raise TrainingRefused(f"preparing run {run_id}: {err}. Nothing of it was committed: fix the input and "
+                                  f"run the same command again") from err
         config = resolve_total(run, config)
     total = config.trainer.total_iterations
     latest = run.latest() or 0
 
-    tracker = Tracker(config.tracking.uri, config.tracking_experiment, run_id, run_name=run_id)
+    tracker = Tracker(config.tracking.uri, config.tracking_experiment, run_id, run_name=run_id, fresh=reprepare)
+    check_store_matches_tracking(run, run_id, run.latest(), tracker.last_logged_iteration(), tracker.mlflow_run_id)
     tracker.log_params(config.flat())
     tracker.set_tags({"kfrl.store_uri": run_uri, "kfrl.runner": config.pipeline.runner})
     summary = TrainSummary(run_id=run_id, run_uri=run_uri, mlflow_run_id=tracker.mlflow_run_id, resumed_from=latest)
@@ -216,7 +282,9 @@ def record_iteration(run: Run, tracker, config: Config, iteration: int, step_tim
     if due and actor_update is not None and not actor_update.info.get("skipped"):  # none during critic warm-up
         summary.registered_versions[iteration] = tracker.register_checkpoint(
             config.registered_model_name, run.url(POLICY_STAGE, iteration), iteration)
+        failpoint("registration")
     run.set_latest(iteration)
+    failpoint("latest")
     summary.iterations[iteration] = metrics
     return metrics
 

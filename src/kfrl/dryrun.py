@@ -23,6 +23,20 @@ def _train_rows(cfg) -> int | None:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
 
 
+def _column_warnings(part: Path, key: str, cfg) -> list[str]:
+    """What a training run would refuse in a data file's columns, from its Parquet footer."""
+    import pyarrow.parquet as pq
+
+    from kfrl.data.dataset import missing_columns
+
+    try:
+        columns = pq.read_schema(part).names
+    except Exception as err:  # noqa: BLE001 - any unreadable file is reported, not raised
+        return [f"{key}: {part} is not a readable Parquet file ({err})"]
+    return [f"{key}: {part} lacks column '{name}' ({why}); its columns are: {', '.join(columns)}"
+            for name, why in missing_columns(columns, cfg)]
+
+
 def report(cfg) -> tuple[str, list[str]]:
     """The stage plan and iteration count as text, and warnings about what is missing. Nothing is
     loaded: no model, no data beyond Parquet footers, no rollout backend."""
@@ -56,6 +70,15 @@ def report(cfg) -> tuple[str, list[str]]:
         for part in _local_parts(spec):
             if not part.is_file():
                 warnings.append(f"{key}: {part} does not exist (prepare GSM8K with `kfrl data gsm8k`)")
+                continue
+            warnings += _column_warnings(part, key, cfg)
+    if cfg.reward.custom_function_path:
+        from kfrl.rewards import load_custom_reward
+
+        try:
+            load_custom_reward(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
+        except Exception as err:  # noqa: BLE001 - whatever the user's file does on import is reported
+            warnings.append(f"reward.custom_function_path: {type(err).__name__}: {err}")
     if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
         warnings.append("rollout.name=vllm: the vllm package is not installed here (pip install 'kfrl[gpu]', or "
                         "the kfrl GPU image); rollout.name=torch or auto run without it")

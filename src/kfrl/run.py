@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kfrl.store import Manifest, Store, StoreError, StoreNotFoundError
+from kfrl.store import CorruptManifestError, Manifest, Store, StoreError, StoreNotFoundError
 
 CONFIG_FILE = "config.yaml"
 LATEST_FILE = "LATEST"
@@ -68,14 +68,37 @@ class Run:
     def config(self):
         from kfrl.config import config_from_yaml_text
 
-        return config_from_yaml_text(self.config_text())
+        return config_from_yaml_text(self.config_text(), self.store.url(CONFIG_FILE))
 
     def write_config(self, text: str) -> None:
         self.store.write_text(CONFIG_FILE, text)
 
     # --- commits ----------------------------------------------------------------------------------
+    def withdraw_all(self) -> int:
+        """Repair: withdraw the config and every commit (data, initial weights, stages), so the run is
+        prepared and computed again. Returns the number of commits withdrawn."""
+        from kfrl.store import MANIFEST_NAME
+
+        manifests = [name for name in self.store.list("") if name.rsplit("/", 1)[-1] == MANIFEST_NAME]
+        for name in manifests:
+            self.store.uncommit(name.rsplit("/", 1)[0])
+        self.store.delete(CONFIG_FILE)
+        return len(manifests)
+
     def manifest(self, stage: str, iteration: int) -> Manifest | None:
-        return self.store.manifest(stage_prefix(iteration, stage))
+        try:
+            return self.store.manifest(stage_prefix(iteration, stage))
+        except CorruptManifestError as err:
+            raise CorruptManifestError(f"{str(err).partition('. Restore')[0]}. {self._repair_advice(iteration)}") from err
+
+    def _repair_advice(self, iteration: int) -> str:
+        latest = self.latest()
+        if latest is None or iteration > latest:
+            return "Delete it and resume (kfrl train --run-id): the stage runs again."
+        return (f"Iteration {iteration} is already recorded (LATEST={latest}), so resuming will not run the stage "
+                "again: restore the manifest from a copy (with S3 object versioning, its previous version). To go on "
+                f"without it, export the policy of an earlier iteration (kfrl export --iteration {max(iteration - 1, 0)}) "
+                "and start a new run from it (model.path).")
 
     def is_committed(self, stage: str, iteration: int) -> bool:
         return self.store.is_committed(stage_prefix(iteration, stage))

@@ -28,6 +28,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+from kfrl.faults import failpoint
+
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow
 
@@ -58,6 +60,10 @@ class StoreError(RuntimeError):
 
 class StoreNotFoundError(StoreError):
     """The object a caller asked for does not exist."""
+
+
+class CorruptManifestError(StoreError):
+    """A ``_COMMITTED`` manifest cannot be parsed (``kfrl.run`` adds what to do about it in a run)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,9 +137,9 @@ class Manifest:
                 created_at=body.get("created_at", ""),
             )
         except (ValueError, KeyError, TypeError) as err:
-            raise StoreError(
-                f"manifest {source} is not a valid kfrl manifest ({err}); it was not written by "
-                "kfrl or was edited. Delete it to let the stage run again."
+            raise CorruptManifestError(
+                f"manifest {source} is not a valid kfrl manifest ({err}); it was not written by kfrl or was "
+                "edited. Restore it from a copy, or delete it so that its stage runs again."
             ) from err
 
 
@@ -230,15 +236,23 @@ class Store:
     filesystem object is created lazily in each process.
 
     ``retries`` is the number of extra tries after the first for transient errors, waiting
-    ``backoff_s``, 2x``backoff_s``, 4x``backoff_s``... in between.
+    ``backoff_s``, 2x``backoff_s``, 4x``backoff_s``... (at most ``max_backoff_s``) in between; the S3
+    client gives up on a connection after ``connect_timeout_s`` and on a silent response after
+    ``read_timeout_s``, and such a timeout is retried like any transient error.
     """
 
-    def __init__(self, uri: str, *, retries: int = 4, backoff_s: float = 0.2):
-        if retries < 0 or backoff_s < 0:
-            raise ValueError("retries and backoff_s must be >= 0")
+    def __init__(self, uri: str, *, retries: int = 8, backoff_s: float = 0.5, max_backoff_s: float = 20.0,
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 20.0):
+        if retries < 0 or backoff_s < 0 or max_backoff_s < 0:
+            raise ValueError("retries, backoff_s and max_backoff_s must be >= 0")
+        if connect_timeout_s <= 0 or read_timeout_s <= 0:
+            raise ValueError("connect_timeout_s and read_timeout_s must be > 0")
         self.uri = _normalise_root(uri)
         self.retries = int(retries)
         self.backoff_s = float(backoff_s)
+        self.max_backoff_s = float(max_backoff_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.read_timeout_s = float(read_timeout_s)
         self._fs = None
         self._fs_pid = None
 
@@ -253,15 +267,17 @@ class Store:
     def __hash__(self) -> int:
         return hash(self.uri)
 
+    _OPTIONS = ("retries", "backoff_s", "max_backoff_s", "connect_timeout_s", "read_timeout_s")
+
+    def options(self) -> dict:
+        """The keyword arguments this store was made with (to open another root the same way)."""
+        return {name: getattr(self, name) for name in self._OPTIONS}
+
     def __getstate__(self) -> dict:
-        return {"uri": self.uri, "retries": self.retries, "backoff_s": self.backoff_s}
+        return {"uri": self.uri, **self.options()}
 
     def __setstate__(self, state: dict) -> None:
-        self.uri = state["uri"]
-        self.retries = state["retries"]
-        self.backoff_s = state["backoff_s"]
-        self._fs = None
-        self._fs_pid = None
+        self.__init__(state["uri"], **{k: v for k, v in state.items() if k != "uri"})
 
     @property
     def is_s3(self) -> bool:
@@ -271,7 +287,7 @@ class Store:
     def fs(self):
         # A filesystem made before a fork holds event loops/sockets of the parent: make a new one.
         if self._fs is None or self._fs_pid != os.getpid():
-            self._fs = _make_filesystem(self.is_s3)
+            self._fs = _make_filesystem(self.is_s3, self.connect_timeout_s, self.read_timeout_s)
             self._fs_pid = os.getpid()
         return self._fs
 
@@ -316,9 +332,9 @@ class Store:
                         f"could not {action} {uri}: gave up after {attempts} attempts in "
                         f"{elapsed:.1f}s; last error: {_describe(err)}. {self._reachability_hint()}"
                     ) from err
-                delay = self.backoff_s * 2 ** (attempt - 1)
-                log.warning("transient error on %s %s (attempt %d/%d, retrying in %.2fs): %s",
-                            action, uri, attempt, attempts, delay, _describe(err))
+                delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+                log.warning("transient error on %s %s (attempt %d/%d, %.1fs so far; retrying in %.1fs): %s",
+                            action, uri, attempt, attempts, time.monotonic() - started, delay, _describe(err))
                 time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -416,6 +432,25 @@ class Store:
                     names.add(name)
         return sorted(names)
 
+    def delete(self, rel: str) -> None:
+        """Remove one object (absent is fine)."""
+        uri = self.url(rel)
+        if not _clean_rel(rel):
+            raise StoreError(f"refusing to delete the store root {uri}")
+
+        def remove() -> None:
+            try:
+                self.fs.rm_file(uri)
+            except FileNotFoundError:
+                pass
+
+        self._retrying("delete", uri, remove)
+
+    def uncommit(self, prefix: str) -> None:
+        """Withdraw a commit: its manifest is removed, so the next writer commits afresh (the attempt's
+        files stay as garbage nobody reads). Only for repairs: readers may hold the old manifest."""
+        self.delete(_join(prefix, MANIFEST_NAME))
+
     def get_file(self, rel: str, target: str | Path) -> None:
         """Copy one (uncommitted, unverified) file to a local path, streaming."""
         uri = self.url(rel)
@@ -480,19 +515,41 @@ class Store:
         _verify(uri, entry, len(data), hashlib.sha256(data).hexdigest(), self.manifest_url(manifest.prefix))
         return data
 
-    def download(self, manifest: Manifest, local_dir: str | Path) -> Path:
-        """Copy every committed file (verified) into ``local_dir``; reuse a complete earlier copy."""
+    def download(self, manifest: Manifest, local_dir: str | Path, *, names: list[str] | None = None) -> Path:
+        """Copy the committed files (``names``: only these; verified) into ``local_dir``; reuse a
+        complete earlier copy."""
         local_dir = Path(local_dir)
         marker = local_dir / DOWNLOAD_MARKER
         source = self.url(manifest.prefix)
-        if _is_complete_copy(local_dir, marker, manifest, source):
+        entries = _entries(manifest, names)
+        if _is_complete_copy(local_dir, marker, manifest, source, entries):
             return local_dir
         local_dir.mkdir(parents=True, exist_ok=True)
         marker.unlink(missing_ok=True)  # a half-updated folder must not look complete
-        for entry in manifest.files:
-            self._download_file(manifest, entry, local_dir / entry["name"])
+        for entry in entries:
+            path = local_dir / entry["name"]
+            if not (path.is_file() and path.stat().st_size == entry["size"]):
+                self._download_file(manifest, entry, path)
         marker.write_text(json.dumps({"source": source, "attempt": manifest.attempt}))
         return local_dir
+
+    def committed_dir(self, manifest: Manifest, *, names: list[str] | None = None) -> Path:
+        """A local store's committed attempt folder, used in place (no copy), after checking the files
+        (``names``: only these) against the manifest once per process."""
+        if self.is_s3:
+            raise StoreError(f"{self.uri} is not a local folder; use download()")
+        folder = Path(self.url(f"{manifest.prefix}/{manifest.attempt}"))
+        for entry in _entries(manifest, names):
+            path = folder / entry["name"]
+            key = (str(path), entry["sha256"])
+            if key in _VERIFIED_IN_PLACE:
+                continue
+            if not path.is_file():
+                raise StoreNotFoundError(_missing_committed_file(str(path), self.manifest_url(manifest.prefix)))
+            size, sha = _hash_local_file(path)
+            _verify(str(path), entry, size, sha, self.manifest_url(manifest.prefix))
+            _VERIFIED_IN_PLACE.add(key)
+        return folder
 
     def _download_file(self, manifest: Manifest, entry: dict, target: Path) -> None:
         uri = self.file_url(manifest, entry["name"])
@@ -567,6 +624,7 @@ class Attempt:
         size, sha = _hash_local_file(local_path)
         self.store._retrying("upload", uri, lambda: self.store.fs.put_file(str(local_path), uri))
         self._record(name, size, sha)
+        failpoint("upload")
 
     def upload_dir(self, local_dir: str | Path) -> None:
         local_dir = Path(local_dir)
@@ -590,6 +648,7 @@ class Attempt:
             created_at=_now_iso(),
         )
         body = mine.to_json().encode("utf-8")
+        failpoint("commit")
         created = store._retrying("commit", uri, lambda: store._raw_write_if_absent(uri, body))
         if created:
             self._manifest = mine
@@ -626,7 +685,7 @@ def _normalise_root(uri: str) -> str:
     return os.path.abspath(os.path.expanduser(uri))
 
 
-def _make_filesystem(is_s3: bool):
+def _make_filesystem(is_s3: bool, connect_timeout_s: float, read_timeout_s: float):
     if is_s3:
         import s3fs
 
@@ -636,7 +695,7 @@ def _make_filesystem(is_s3: bool):
             skip_instance_cache=True,
             use_listings_cache=False,
             config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"},
-                           "connect_timeout": 5, "read_timeout": 60},
+                           "connect_timeout": connect_timeout_s, "read_timeout": read_timeout_s},
         )
         fs.retries = 1
         return fs
@@ -721,7 +780,20 @@ def _missing_committed_file(uri: str, manifest_uri: str) -> str:
             "the commit. Delete the manifest and re-run the stage that wrote it.")
 
 
-def _is_complete_copy(local_dir: Path, marker: Path, manifest: Manifest, source: str) -> bool:
+_VERIFIED_IN_PLACE: set[tuple[str, str]] = set()
+
+
+def _entries(manifest: Manifest, names: list[str] | None) -> list[dict]:
+    if names is None:
+        return list(manifest.files)
+    unknown = sorted(set(names) - set(manifest.names()))
+    if unknown:
+        raise StoreNotFoundError(f"{unknown} not among the committed files of {manifest.prefix} "
+                                 f"(attempt {manifest.attempt}); it has: {', '.join(manifest.names())}")
+    return [f for f in manifest.files if f["name"] in set(names)]
+
+
+def _is_complete_copy(local_dir: Path, marker: Path, manifest: Manifest, source: str, entries: list[dict]) -> bool:
     try:
         recorded = json.loads(marker.read_text())
     except (OSError, ValueError):
@@ -729,7 +801,7 @@ def _is_complete_copy(local_dir: Path, marker: Path, manifest: Manifest, source:
     if recorded.get("attempt") != manifest.attempt or recorded.get("source") != source:
         return False
     # Sizes are cheap to check and catch deleted or truncated local files.
-    for entry in manifest.files:
+    for entry in entries:
         path = local_dir / entry["name"]
         if not path.is_file() or path.stat().st_size != entry["size"]:
             return False
@@ -741,4 +813,5 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"
 
 
-__all__ = ["Attempt", "Manifest", "Store", "StoreError", "StoreNotFoundError", "MANIFEST_NAME"]
+__all__ = ["Attempt", "CorruptManifestError", "Manifest", "Store", "StoreError", "StoreNotFoundError",
+           "MANIFEST_NAME"]

@@ -23,14 +23,18 @@ import logging
 import math
 import os
 import posixpath
+import re
+import sqlite3
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlunparse
 
 from kfrl.config import flatten  # noqa: F401  (re-exported: the flattened config is what params log)
+from kfrl.faults import failpoint
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
@@ -65,17 +69,160 @@ HTTP_RETRY_DEFAULTS = {
 _SERVER_SCHEMES = {"http", "https", "databricks", "databricks-uc", "uc"}
 
 
+class TrackingError(RuntimeError):
+    """MLflow cannot be used as configured; the message names the URI (credentials removed) and the fix."""
+
+
 def resolve_tracking_uri(tracking_uri: str | None) -> str:
-    """Empty -> the embedded default; a sqlite URI becomes absolute and gets its folder created."""
+    """Empty -> the embedded default; a sqlite URI becomes absolute, and its database is created
+    whole (``ensure_sqlite_database``) when it does not exist yet."""
     uri = tracking_uri or DEFAULT_TRACKING_URI
     db_path = sqlite_db_path(uri)
     if db_path is None:
         return uri
     db_path = db_path.resolve()
     db_path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_sqlite_database(db_path)
     query = uri.partition("?")[2]
     # An absolute path keeps the run findable if the process later changes its working directory.
     return f"sqlite:///{db_path}" + (f"?{query}" if query else "")
+
+
+def ensure_sqlite_database(db_path: Path) -> None:
+    """Create MLflow's SQLite database so that a kill at any moment leaves either none or a whole one.
+
+    MLflow builds a new database in place over ~3 s of migrations; killed in between, the file stays
+    half-migrated and every later start fails (``table ... already exists``). Here the schema is built
+    in a temporary file and hard-linked into place (the link fails if another process won the race).
+    A half-built database left by an older kill (no current schema revision, no runs, no models) is
+    moved aside to ``<name>.broken-<time>`` and rebuilt; one that holds data is left to MLflow, which
+    names the upgrade command for an old schema.
+    """
+    if db_path.exists():
+        if not _is_half_built(db_path):
+            return
+        aside = db_path.with_name(f"{db_path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(db_path, aside)
+        logger.warning("MLflow database %s was half-created (a process was killed while creating it) and held "
+                       "no runs; moved it to %s and creating it again", db_path, aside)
+    import sqlalchemy
+    from mlflow.store.db.utils import _initialize_tables  # what MLflow itself runs on a new database
+
+    _remove_dead_temporaries(db_path)
+    tmp = db_path.with_name(f".{db_path.name}.init-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        engine = sqlalchemy.create_engine(f"sqlite:///{tmp}")
+        try:
+            _initialize_tables(engine)
+        finally:
+            engine.dispose()
+        failpoint("mlflow_init")
+        try:
+            os.link(tmp, db_path)
+        except FileExistsError:
+            pass  # created meanwhile by another process: theirs is whole too
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _remove_dead_temporaries(db_path: Path) -> None:
+    """Temporary databases of processes killed while creating one (their pid is in the name)."""
+    for tmp in db_path.parent.glob(f".{db_path.name}.init-*"):
+        pid = tmp.name.rsplit(".init-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_half_built(db_path: Path) -> bool:
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    try:
+        con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return False  # not ours to judge; MLflow reports it
+    try:
+        tables = {row[0] for row in con.execute("select name from sqlite_master where type='table'")}
+        if "alembic_version" in tables:
+            revision = con.execute("select version_num from alembic_version").fetchone()
+            if revision is not None and revision[0] == _get_latest_schema_revision():
+                return False
+        for table in ("runs", "registered_models"):
+            if table in tables and con.execute(f"select count(*) from {table}").fetchone()[0]:
+                return False
+        return True
+    except sqlite3.Error:
+        return False
+    finally:
+        con.close()
+
+
+# --- credentials ---------------------------------------------------------------------------------
+
+_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+SECRET_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "AWS_SECRET_ACCESS_KEY",
+                    "AWS_SESSION_TOKEN")
+
+
+def redact(text: str) -> str:
+    """``text`` with URI credentials (``scheme://user:pass@``) and the values of secret variables
+    replaced by ``***``: for anything printed, stored or logged."""
+    text = _USERINFO.sub(r"\1***@", str(text))
+    for name in SECRET_VARIABLES:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def credentials_to_environment(uri: str) -> str:
+    """A tracking URI without its ``user:password@``; the credentials go to MLflow's own variables
+    (``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``, which its HTTP client sends as basic auth), so the
+    config that is stored, printed and logged as params never holds them."""
+    parsed = urlparse(uri)
+    if not parsed.username and not parsed.password:
+        return uri
+    from urllib.parse import unquote
+
+    if parsed.username:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parsed.username)
+    if parsed.password:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parsed.password)
+    host = parsed.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parsed.port:
+        netloc += f":{parsed.port}"
+    return urlunparse(parsed._replace(netloc=netloc))
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, before anything is written, when a tracking server does not answer.
+
+    Any HTTP answer counts (auth is checked by the first real call); a refused or timed-out
+    connection raises TrackingError naming the server."""
+    if urlparse(uri).scheme not in ("http", "https"):
+        return
+    import requests
+
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=timeout_s)
+    except requests.RequestException as err:
+        reason = type(err).__name__
+        if isinstance(err, requests.ConnectionError):
+            reason = "connection refused or host unknown"
+        elif isinstance(err, requests.Timeout):
+            reason = f"no answer within {timeout_s:.0f}s"
+        raise TrackingError(f"MLflow tracking server {redact(uri)} is unreachable ({reason}); start it, or fix "
+                            "--tracking-uri / tracking.uri") from None
 
 
 def sqlite_db_path(uri: str) -> Path | None:
@@ -153,15 +300,20 @@ class Tracker:
     """The MLflow side of one kfrl training run. See the module docstring."""
 
     def __init__(self, tracking_uri: str | None, experiment_name: str, kfrl_run_id: str, *,
-                 run_name: str | None = None):
+                 run_name: str | None = None, fresh: bool = False):
+        """``fresh``: the kfrl run was prepared again (``kfrl train --reprepare``); its earlier MLflow runs
+        and model versions are retired (their ``kfrl.run_id`` tag renamed, the runs marked FAILED) and a
+        new MLflow run starts."""
         require_no_quote("kfrl_run_id", kfrl_run_id)
         quiet_mlflow_logs()
-        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self.tracking_uri = resolve_tracking_uri(credentials_to_environment(tracking_uri or ""))
         if is_server_uri(self.tracking_uri):
             configure_http_retries()
         self.kfrl_run_id = kfrl_run_id
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         self.experiment_id = self._get_or_create_experiment(experiment_name)
+        if fresh:
+            self._retire_runs()
         self.mlflow_run_id = self._find_or_create_run(run_name)
 
     # --- run lifecycle -------------------------------------------------------------------------
@@ -208,6 +360,16 @@ class Tracker:
             self.client.update_run(run.info.run_id, status="RUNNING")
         return run.info.run_id
 
+    def _retire_runs(self) -> None:
+        retired = f"{self.kfrl_run_id}~retired-{time.strftime('%Y%m%d-%H%M%S')}"
+        for run in self.client.search_runs([self.experiment_id],
+                                           filter_string=f"tags.`{RUN_ID_TAG}` = '{self.kfrl_run_id}'"):
+            self.client.set_tag(run.info.run_id, RUN_ID_TAG, retired)
+            if run.info.status == "RUNNING":
+                self.client.set_terminated(run.info.run_id, status="FAILED")
+        for version in self.client.search_model_versions(f"tag.`{RUN_ID_TAG}`='{self.kfrl_run_id}'"):
+            self.client.set_model_version_tag(version.name, version.version, RUN_ID_TAG, retired)
+
     def finish(self, status: str = "FINISHED") -> None:
         if status not in FINAL_STATUSES:
             raise ValueError(f"status must be one of {FINAL_STATUSES}, got {status!r}")
@@ -245,7 +407,7 @@ class Tracker:
                                MAX_ENTITY_KEY_LENGTH, key[:80])
                 continue
             # Truncate here rather than let MLflow do it, so a later comparison sees the same value.
-            values[key] = str(value)[:MAX_PARAM_VAL_LENGTH]
+            values[key] = redact(str(value))[:MAX_PARAM_VAL_LENGTH]
         return values
 
     def set_tags(self, tags: Mapping) -> None:

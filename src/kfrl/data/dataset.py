@@ -15,6 +15,27 @@ class DatasetError(ValueError):
     """A dataset problem that names the file, the row and the column."""
 
 
+def missing_columns(columns: list[str], config) -> list[tuple[str, str]]:
+    """(column, why) for each column the run needs that ``columns`` lacks: the prompt, and for rule
+    rewards the data source that picks the scorer and ``reward_model`` holding the ground truth
+    (veRL's reward managers read both)."""
+    need = [(config.data.prompt_key, "data.prompt_key: the chat prompt")]
+    if config.reward.name == "rule":
+        if not config.reward.custom_function_path:
+            need.append((config.data.reward_fn_key, "data.reward_fn_key: picks the reward function"))
+        need.append(("reward_model", "reward_model.ground_truth: what rule rewards compare against"))
+    return [(name, why) for name, why in need if name not in columns]
+
+
+def check_columns(columns: list[str], config, source: str, key: str) -> None:
+    """Refuse a dataset without the columns the run needs, naming the user's file and the config key."""
+    missing = missing_columns(columns, config)
+    if missing:
+        wanted = "; ".join(f"'{name}' ({why})" for name, why in missing)
+        raise DatasetError(f"{source} ({key}) lacks column(s) {wanted}; its columns are: {', '.join(columns)}. "
+                           "kfrl reads veRL's RL-dataset schema (`kfrl data gsm8k` writes it)")
+
+
 def steps_per_epoch(n_rows: int, batch_size: int) -> int:
     return n_rows // batch_size
 

@@ -12,7 +12,8 @@ from kfrl.trajectory import Trajectories
 
 
 def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, mini_batch_size: int,
-                 temperature: float, autocast_dtype=None, seed: int = 0, progress=None) -> dict[str, float]:
+                 temperature: float, autocast_dtype=None, seed: int = 0, progress=None,
+                 sample_ids=None) -> dict[str, float]:
     """Runs the update in place on ``model``/``optimizer`` over trajectories with ``advantages`` and,
     optionally, ``old_logprobs`` (absent: the on-policy shortcut, old = new.detach()) and
     ``ref_logprobs`` (absent: no KL loss); returns veRL-named metrics (means over micro-batches)."""
@@ -44,6 +45,6 @@ def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, min
     loop_metrics = optimize(model, optimizer, len(full), micro_step, mini_batch_size=mini_batch_size,
                             micro_batch_size=actor_cfg.ppo_micro_batch_size_per_gpu, epochs=actor_cfg.ppo_epochs,
                             shuffle=actor_cfg.shuffle, seed=seed, grad_clip=actor_cfg.grad_clip, prefix="actor",
-                            progress=progress)
+                            progress=progress, sample_ids=sample_ids)
     metrics.update(loop_metrics)
     return mean_metrics(metrics)

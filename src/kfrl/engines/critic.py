@@ -37,7 +37,7 @@ def compute_values(model, trajectories: Trajectories, *, micro_batch_size: int, 
 
 def update_critic(model, optimizer, trajectories: Trajectories, *, mini_batch_size: int, micro_batch_size: int,
                   epochs: int, shuffle: bool, grad_clip: float, cliprange_value: float, loss_agg_mode: str,
-                  autocast_dtype=None, seed: int = 0, progress=None) -> dict[str, float]:
+                  autocast_dtype=None, seed: int = 0, progress=None, sample_ids=None) -> dict[str, float]:
     """veRL's dp_critic ``update_critic`` over trajectories with the ``values`` (the values stage's
     output: the clip anchor) and ``returns`` fields: clipped value loss; returns critic/* metrics (means)."""
     from kfrl.algos import masked_mean, value_loss
@@ -57,5 +57,5 @@ def update_critic(model, optimizer, trajectories: Trajectories, *, mini_batch_si
 
     metrics.update(optimize(model, optimizer, len(full), micro_step, mini_batch_size=mini_batch_size,
                             micro_batch_size=micro_batch_size, epochs=epochs, shuffle=shuffle, seed=seed,
-                            grad_clip=grad_clip, prefix="critic", progress=progress))
+                            grad_clip=grad_clip, prefix="critic", progress=progress, sample_ids=sample_ids))
     return mean_metrics(metrics)

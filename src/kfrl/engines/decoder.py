@@ -186,11 +186,12 @@ class Decoder:
         from safetensors import safe_open
         from transformers import AutoConfig
 
-        from kfrl.models.hf_io import safetensors_files
+        from kfrl.models.hf_io import check_safetensors, safetensors_files
 
         path = Path(path)
         config = AutoConfig.from_pretrained(path)
         spec_from_config(config)  # refuse unsupported models before reading any weights
+        check_safetensors(path)
         handles = [safe_open(str(f), framework="pt", device=str(device)) for f in safetensors_files(path)]
         where = {name: h for h in handles for name in h.keys()}
         return cls.from_tensors(config, lambda name: where[name].get_tensor(name) if name in where else None,

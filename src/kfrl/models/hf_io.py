@@ -35,13 +35,54 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return [path / n for n in names]
 
 
+class CorruptWeightsError(ValueError):
+    """A weights file of a model directory cannot be read; the message names the file."""
+
+
+def check_safetensors(path: str | Path, key: str = "") -> None:
+    """Open every safetensors file's header and check that its tensors fit in the file, naming the first
+    file that does not (no tensor data is read: cheap even for a 7B model)."""
+    import json
+    import struct
+
+    path = Path(path)
+    where = f" ({key})" if key else ""
+    for file in sorted(path.rglob("*.safetensors")):
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as fh:
+                (header_len,) = struct.unpack("<Q", fh.read(8))
+                if header_len > size - 8:
+                    raise ValueError(f"header of {header_len} bytes in a {size}-byte file")
+                header = json.loads(fh.read(header_len))
+            end = max((int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__"), default=0)
+            if 8 + header_len + end > size:
+                raise ValueError(f"tensors end at byte {8 + header_len + end} but the file has {size}")
+        except (ValueError, KeyError, TypeError, struct.error) as err:
+            raise CorruptWeightsError(f"{file}{where} is not a readable safetensors file ({err}): it is corrupt or "
+                                      "truncated; copy or save the model again") from None
+
+
+def _loading(path: Path, load):
+    """Run a from_pretrained call; a failure caused by an unreadable weights file names the file."""
+    try:
+        return load()
+    except Exception as err:
+        try:
+            check_safetensors(path)
+        except CorruptWeightsError as corrupt:
+            raise corrupt from err
+        raise
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(_require_hf_dir(path))
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> PreTrainedModel:
     """Load a causal LM from a local HF directory onto `device` (dtype as saved when None)."""
-    model = AutoModelForCausalLM.from_pretrained(_require_hf_dir(path), dtype=dtype or "auto")
+    path = _require_hf_dir(path)
+    model = _loading(path, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto"))
     return model.to(device)
 
 
@@ -71,7 +112,8 @@ def load_value_model(path: str | Path, dtype: torch.dtype | None = None, device:
     config.classifier_dropout = 0.0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(head_seed)
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype or "auto")
+        model = _loading(path, lambda: AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=dtype or "auto"))
     return model.to(device)
 
 
@@ -80,5 +122,6 @@ def load_reward_model(path: str | Path, dtype: torch.dtype | None = None, device
     from transformers import AutoModelForSequenceClassification
 
     path = _require_hf_dir(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype or "auto")
+    model = _loading(path, lambda: AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype or "auto"))
     return model.to(device)

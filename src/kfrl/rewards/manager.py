@@ -7,6 +7,7 @@ disagree on a reward.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -30,6 +31,29 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_len:
 RewardFn = Callable[[str, str, str, Optional[dict]], Any]
 
 
+class RewardError(ValueError):
+    """A reward function failed or returned something unusable; names the function and the sample."""
+
+
+def reward_function_name(reward_fn: RewardFn, data_source: str) -> str:
+    """Who produced a score, for error messages: the user's function, or the registry's scorer."""
+    described = getattr(reward_fn, "description", None)
+    if described:
+        return described
+    from kfrl.rewards.registry import scorer_name
+
+    return scorer_name(data_source)
+
+
+def _parse_result(result: Any) -> tuple[float, dict, float]:
+    """(score, extra keys, acc) of a normalised reward result."""
+    if isinstance(result, dict):
+        value = float(result["score"])
+        extras = {k: v for k, v in result.items() if k != "score"}
+        return value, extras, float(extras.get("acc", value))
+    return float(result), {}, float(result)
+
+
 def rule_reward_fn(custom_function_path: str = "", custom_function_name: str = "compute_score") -> RewardFn:
     """``fn(data_source, solution_str, ground_truth, extra_info)``: the registry by data_source, or a
     user's function (veRL's custom_reward_function), called with veRL's keyword signature."""
@@ -42,6 +66,7 @@ def rule_reward_fn(custom_function_path: str = "", custom_function_name: str = "
     def call(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict]) -> Any:
         return normalize_score(custom(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                                       extra_info=extra_info))
+    call.description = f"{custom_function_name} in {custom_function_path} (reward.custom_function_path)"
     return call
 
 
@@ -49,10 +74,15 @@ def score_responses(texts: list[str], data_sources: list[str], ground_truths: li
                     extra_infos: list[str | dict | None], response_lengths: list[int], *,
                     max_response_length: int, overlong_buffer=None, reward_fn: RewardFn | None = None,
                     raw_prompts: list[str | list] | None = None,
-                    model_scores: list[float] | None = None) -> list[ScoredResponse]:
+                    model_scores: list[float] | None = None, sample_ids: list | None = None,
+                    model_name: str = "the reward model") -> list[ScoredResponse]:
     """Score each decoded response: with ``model_scores`` (a reward model's) when given, else with
     ``reward_fn`` (default: the scorer registered for its data_source). ``raw_prompts`` (chat
-    messages) reach the reward function as ``extra_info["raw_prompt"]``."""
+    messages) reach the reward function as ``extra_info["raw_prompt"]``.
+
+    A reward function that raises or returns anything but a finite number (or a dict whose "score"
+    is one) stops scoring with a RewardError naming the function, the sample and the value: a NaN
+    reward would otherwise turn every loss after it into NaN."""
     from kfrl.rewards import compute_score
 
     reward_fn = reward_fn or compute_score
@@ -64,13 +94,16 @@ def score_responses(texts: list[str], data_sources: list[str], ground_truths: li
         if raw_prompts is not None:
             messages = raw_prompts[i]
             info = {**(info or {}), "raw_prompt": json.loads(messages) if isinstance(messages, str) else messages}
-        result = model_scores[i] if model_scores is not None else reward_fn(source, text, truth, info)
-        if isinstance(result, dict):
-            value = float(result["score"])
-            extras = {k: v for k, v in result.items() if k != "score"}
-            acc = float(extras.get("acc", value))
-        else:
-            value, extras, acc = float(result), {}, float(result)
+        sample = f"sample {sample_ids[i]!r}" if sample_ids is not None else f"response {i}"
+        who = model_name if model_scores is not None else reward_function_name(reward_fn, source)
+        try:
+            result = model_scores[i] if model_scores is not None else reward_fn(source, text, truth, info)
+            value, extras, acc = _parse_result(result)
+        except Exception as err:
+            raise RewardError(f"{who} failed on {sample} (data_source {source!r}): {type(err).__name__}: {err}") from err
+        if not (math.isfinite(value) and math.isfinite(acc)):
+            raise RewardError(f"{who} returned a non-finite reward for {sample} (data_source {source!r}): "
+                              f"score={value}, acc={acc}; rewards must be finite numbers")
         shaped = value
         if shaping is not None:
             penalty = overlong_penalty(length, max_response_length, shaping.len, shaping.penalty_factor)
@@ -97,8 +130,9 @@ class Rewards:
         self.reward_fn = rule_reward_fn(config.reward.custom_function_path, config.reward.custom_function_name)
 
     def score(self, response_ids: list[list[int]], data_sources: list[str], ground_truths: list[str],
-              extra_infos: list, raw_prompts: list[str]) -> list[ScoredResponse]:
-        """One ScoredResponse per response; ``raw_prompts`` are the prompts' chat messages as JSON."""
+              extra_infos: list, raw_prompts: list[str], sample_ids: list | None = None) -> list[ScoredResponse]:
+        """One ScoredResponse per response; ``raw_prompts`` are the prompts' chat messages as JSON;
+        ``sample_ids`` name the samples in errors."""
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         model_scores = None
         if self.reward_model is not None:
@@ -113,4 +147,4 @@ class Rewards:
             texts, data_sources, ground_truths, extra_infos, [len(r) for r in response_ids],
             max_response_length=self.max_response_length, overlong_buffer=self.reward.overlong_buffer,
             reward_fn=self.reward_fn, raw_prompts=raw_prompts if self.pass_raw_prompt else None,
-            model_scores=model_scores)
+            model_scores=model_scores, sample_ids=sample_ids, model_name=f"reward model {self.reward.model_path}")

@@ -89,6 +89,14 @@ def normalize_score(result: Any) -> ScoreResult:
     return float(result)  # bool, int, float, numpy scalars, 0-d tensors
 
 
+def scorer_name(data_source: str) -> str:
+    """The function registered for ``data_source``, as ``module.name`` (for error messages)."""
+    fn = _SCORERS.get(data_source)
+    if fn is None:
+        return f"the reward registry (nothing registered for data_source {data_source!r})"
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
 def get_scorer(data_source: str) -> Callable[..., ScoreResult]:
     """The scorer of `data_source`, as `scorer(solution_str, ground_truth, extra_info=None)`
     returning a normalised result (float, or dict with "score")."""

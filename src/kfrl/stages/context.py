@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -35,12 +36,19 @@ def quiet_transformers() -> None:
 
 
 # Inference models and tokenizers loaded in this process, keyed by local checkpoint dir and dtype:
-# fused stages (and the inline runner) load each set of weights once. Five entries cover the policy,
-# its rollout decoder, the reference model, the critic and a reward model; training copies are never
-# cached (updates mutate them).
+# fused stages (and the inline runner) load each set of weights once. Each model sits in a slot
+# (its kind, run, stage, and whether it is the initial checkpoint); loading newer weights into a slot
+# drops the older ones, so a long run holds the current policy, its decoder, the reference, the
+# critic and a reward model, never stale policies. Training copies are never cached (updates mutate them).
 _MODEL_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
-_TOKENIZER_CACHE: dict[str, object] = {}
+_MODEL_SLOTS: dict[tuple, tuple] = {}
 MODEL_CACHE_SIZE = 5
+# Tokenizers keyed by the content of their files: every checkpoint of a run shares one.
+_TOKENIZER_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+TOKENIZER_CACHE_SIZE = 4
+# Files of a checkpoint that only the next update reads.
+TRAINING_STATE_FILES = ("optimizer.pt", "trainer_state.json")
+_ITERATION_PREFIX = re.compile(r"^iter-(\d+)/(.+)$")
 
 
 @dataclass
@@ -52,8 +60,9 @@ class StageContext:
 
     @classmethod
     def open(cls, run_uri: str, iteration: int) -> "StageContext":
-        run = Run.at(run_uri)
-        return cls(run_uri=run_uri, iteration=iteration, run=run, config=run.config())
+        config = Run.at(run_uri).config()
+        # Reopened with the run's own retry budget and timeouts (store.*), which only its config knows.
+        return cls(run_uri=run_uri, iteration=iteration, run=Run.at(run_uri, **config.store.options()), config=config)
 
     @property
     def store(self) -> Store:
@@ -117,17 +126,19 @@ class StageContext:
         """The critic after ``weights_iteration`` iterations (0 = its initialisation)."""
         return self.checkpoint_manifest(CRITIC_STAGE, weights_iteration)
 
-    def checkpoint_dir(self, manifest: Manifest) -> Path:
-        """A local copy of a committed checkpoint, downloaded once per machine and attempt."""
+    def checkpoint_dir(self, manifest: Manifest, *, training_state: bool = False) -> Path:
+        """A local folder holding a committed checkpoint: a local store's own folder (checked, not
+        copied), else a download into the machine's cache that keeps, per run and stage, the initial
+        and the newest checkpoint only. ``training_state``: with the optimizer and trainer state."""
         if manifest.info.get("init_from") == "policy":
             # A critic initialised from the actor's initial weights (the value head is added on load).
-            return self.checkpoint_dir(self.policy_manifest(INIT_ITERATION))
+            return self.checkpoint_dir(self.policy_manifest(INIT_ITERATION), training_state=training_state)
         source = manifest.info.get("source")
         if source and not manifest.files:
             # The initial model was referenced in place (an HF directory in a store), not copied.
             if "://" not in source:
                 return Path(source)
-            remote = Store(source)
+            remote = Store(source, **self.store.options())
             key = hashlib.sha1(source.encode()).hexdigest()[:16]
             local = cache_dir() / "models" / key
             if not (local / "config.json").exists():
@@ -141,17 +152,24 @@ class StageContext:
                 except OSError:  # another process finished the same download first
                     shutil.rmtree(tmp, ignore_errors=True)
             return local
-        key = hashlib.sha1(self.store.url(manifest.prefix).encode()).hexdigest()[:16]
-        return self.store.download(manifest, cache_dir() / "checkpoints" / f"{key}-{manifest.attempt}")
+        names = None if training_state else [n for n in manifest.names() if n not in TRAINING_STATE_FILES]
+        if not self.store.is_s3:
+            return self.store.committed_dir(manifest, names=names)
+        slot, iteration = _checkpoint_slot(self.store.url(manifest.prefix), manifest.prefix)
+        root = cache_dir() / "checkpoints"
+        local = self.store.download(manifest, root / f"{slot}-{iteration:06d}-{manifest.attempt}", names=names)
+        prune_checkpoint_cache(root, slot, iteration)
+        return local
 
     def load_tokenizer(self, manifest: Manifest):
         from kfrl.models.hf_io import load_tokenizer
 
         quiet_transformers()
-        local = str(self.checkpoint_dir(manifest))
-        if local not in _TOKENIZER_CACHE:
-            _TOKENIZER_CACHE[local] = load_tokenizer(local)
-        return _TOKENIZER_CACHE[local]
+        local = self.checkpoint_dir(manifest)
+        # Tokenizer files are the same in every checkpoint of a run: key by their content.
+        key = tuple(sorted((f["name"], f["sha256"]) for f in manifest.files if _is_tokenizer_file(f["name"]))) \
+            or (str(local),)
+        return _cached_in(_TOKENIZER_CACHE, key, lambda: load_tokenizer(local), TOKENIZER_CACHE_SIZE)
 
     def load_model(self, manifest: Manifest, *, for_training: bool = False):
         """Inference: compute dtype (bf16 on CUDA). Training: fp32 master weights (autocast does bf16)."""
@@ -164,7 +182,8 @@ class StageContext:
         if for_training:
             return load_causal_lm(local, dtype=torch.float32, device=self.device)
         return _cached(("policy", str(local), str(self.compute_dtype), self.device),
-                       lambda: load_causal_lm(local, dtype=self.compute_dtype, device=self.device).eval())
+                       lambda: load_causal_lm(local, dtype=self.compute_dtype, device=self.device).eval(),
+                       slot=self._slot("policy", manifest))
 
     def rollout_engine(self, manifest: Manifest, *, micro_batch_size: int | None = None):
         """The configured rollout backend (``kfrl.engines.rollout``) holding ``manifest``'s weights;
@@ -195,7 +214,8 @@ class StageContext:
         from kfrl.engines.rollout_torch import TorchRollout
 
         decoder = _cached(("decoder", str(local), str(self.compute_dtype), self.device),
-                          lambda: Decoder.from_pretrained(local, device=self.device, dtype=self.compute_dtype))
+                          lambda: Decoder.from_pretrained(local, device=self.device, dtype=self.compute_dtype),
+                          slot=self._slot("decoder", manifest))
         return TorchRollout(decoder, eos, pad_token_id(tokenizer, eos), micro_batch_size=micro,
                             use_cuda_graphs=not cfg.enforce_eager)
 
@@ -212,7 +232,8 @@ class StageContext:
             return load_value_model(local, dtype=torch.float32, device=self.device, head_seed=seed)
         return _cached(("critic", str(local), str(self.compute_dtype), self.device),
                        lambda: load_value_model(local, dtype=self.compute_dtype, device=self.device,
-                                                head_seed=seed).eval())
+                                                head_seed=seed).eval(),
+                       slot=self._slot("critic", manifest))
 
     def rewards(self, tokenizer):
         """The run's reward (``kfrl.rewards.manager.Rewards``); a reward model comes from the model cache."""
@@ -228,18 +249,51 @@ class StageContext:
         quiet_transformers()
         path = str(Path(self.config.reward.model_path).expanduser())
         model = _cached(("reward", path, str(self.compute_dtype), self.device),
-                        lambda: load_reward_model(path, dtype=self.compute_dtype, device=self.device).eval())
-        if path not in _TOKENIZER_CACHE:
-            _TOKENIZER_CACHE[path] = load_tokenizer(path)
-        return model, _TOKENIZER_CACHE[path]
+                        lambda: load_reward_model(path, dtype=self.compute_dtype, device=self.device).eval(),
+                        slot=("reward",))
+        return model, _cached_in(_TOKENIZER_CACHE, (path,), lambda: load_tokenizer(path), TOKENIZER_CACHE_SIZE)
+
+    def _slot(self, kind: str, manifest: Manifest) -> tuple:
+        slot, iteration = _checkpoint_slot(self.store.url(manifest.prefix), manifest.prefix)
+        return (kind, slot, iteration == INIT_ITERATION)
 
 
-def _cached(key: tuple, load):
-    if key in _MODEL_CACHE:
-        _MODEL_CACHE.move_to_end(key)
-        return _MODEL_CACHE[key]
-    model = load()
-    _MODEL_CACHE[key] = model
-    while len(_MODEL_CACHE) > MODEL_CACHE_SIZE:
-        _MODEL_CACHE.popitem(last=False)
-    return model
+def _is_tokenizer_file(name: str) -> bool:
+    return name.startswith("tokenizer") or name in (
+        "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def _checkpoint_slot(url: str, prefix: str) -> tuple[str, int]:
+    """(a name shared by every checkpoint of one run's stage, the iteration) of a checkpoint prefix."""
+    match = _ITERATION_PREFIX.match(prefix)
+    iteration = int(match.group(1)) if match else 0
+    stage_url = url[: -len(prefix)] + (match.group(2) if match else prefix)
+    return hashlib.sha1(stage_url.encode()).hexdigest()[:16], iteration
+
+
+def prune_checkpoint_cache(root: Path, slot: str, newest: int) -> None:
+    """Remove cached downloads of ``slot`` older than iteration ``newest``, except the initial one
+    (the reference policy): the cache holds what the next stages read, not the run's history."""
+    for entry in root.glob(f"{slot}-*"):
+        parts = entry.name.split("-")
+        if len(parts) >= 3 and parts[1].isdigit() and 0 < int(parts[1]) < newest:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _cached_in(cache: "OrderedDict", key: tuple, load, size: int):
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = load()
+    while len(cache) > size:
+        cache.popitem(last=False)
+    return value
+
+
+def _cached(key: tuple, load, slot: tuple | None = None):
+    if slot is not None:
+        stale = _MODEL_SLOTS.get(slot)
+        if stale is not None and stale != key:
+            _MODEL_CACHE.pop(stale, None)  # newer weights for this slot: the old ones are never read again
+        _MODEL_SLOTS[slot] = key
+    return _cached_in(_MODEL_CACHE, key, load, MODEL_CACHE_SIZE)

@@ -53,14 +53,14 @@ def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, flo
     tokenizer = ctx.load_tokenizer(previous)
     model = ctx.load_model(previous, for_training=True)
     optimizer = make_optimizer(model, cfg.actor)
-    load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous))
+    load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous, training_state=True))
 
     # Without old log-probs (the on-policy shortcut) the update uses its own; the reference only for a KL loss.
     fields = ("advantages", "old_logprobs") + (("ref_logprobs",) if cfg.actor.use_kl_loss else ())
     trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0, fields=fields)
     metrics = run_update(model, optimizer, trajectories, cfg.actor, mini_batch_size=cfg.mini_batch_trajectories,
                          temperature=cfg.rollout.temperature, autocast_dtype=ctx.compute_dtype,
-                         seed=ctx.seed("update_actor"))
+                         seed=ctx.seed("update_actor"), sample_ids=table.column("sample_id").to_pylist())
     metrics["timing_s/save_checkpoint"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {
         "policy_version": ctx.iteration,
         "optimizer_steps": _steps_before(ctx, previous) + cfg.n_mini_batches * cfg.actor.ppo_epochs,
@@ -77,7 +77,7 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(0))
     model = ctx.load_critic(previous, for_training=True)
     optimizer = make_optimizer(model, cfg.critic)
-    load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous))
+    load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous, training_state=True))
 
     trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0, fields=("values", "returns"))
     metrics = run_update(model, optimizer, trajectories, mini_batch_size=cfg.critic_mini_batch_size * cfg.rollout.n,
@@ -85,7 +85,7 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
                          shuffle=cfg.critic_shuffle, grad_clip=cfg.critic.grad_clip,
                          cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic_loss_agg_mode,
                          autocast_dtype=ctx.compute_dtype,
-                         seed=ctx.seed("update_critic"))
+                         seed=ctx.seed("update_critic"), sample_ids=table.column("sample_id").to_pylist())
     n_steps = (cfg.data.train_batch_size // cfg.critic_mini_batch_size) * cfg.critic_ppo_epochs
     metrics["timing_s/save_checkpoint_critic"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {
         "optimizer_steps": _steps_before(ctx, previous) + n_steps})

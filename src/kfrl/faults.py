@@ -1,0 +1,36 @@
+"""Named kill points for crash testing (like etcd's failpoints): ``KFRL_KILL_AT=commit@3`` makes the
+process SIGKILL itself the third time it reaches ``failpoint("commit")``.
+
+Nothing happens unless the variable is set; the chaos test (tests/test_chaos.py) uses it to kill a
+run at exactly the moments that matter (MLflow database creation, a half-uploaded checkpoint, a
+manifest about to be published, a version registered but LATEST not yet moved) and checks that
+resuming loses and repeats nothing. Several points may be listed, comma-separated.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+ENV = "KFRL_KILL_AT"
+POINTS = ("startup", "mlflow_init", "upload", "commit", "registration", "latest")
+_hits: Counter = Counter()
+
+
+def _wanted() -> dict[str, int]:
+    wanted = {}
+    for item in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
+        name, _, nth = item.partition("@")
+        if name not in POINTS:
+            raise ValueError(f"{ENV}={os.environ[ENV]!r}: unknown kill point {name!r}; known: {', '.join(POINTS)}")
+        wanted[name] = int(nth or 1)
+    return wanted
+
+
+def failpoint(name: str) -> None:
+    """SIGKILL this process here when ``KFRL_KILL_AT`` asks for it (see the module docstring)."""
+    if ENV not in os.environ:
+        return
+    _hits[name] += 1
+    if _wanted().get(name) == _hits[name]:
+        os.kill(os.getpid(), signal.SIGKILL)
