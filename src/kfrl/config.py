@@ -221,7 +221,7 @@ class StoreConfig(Section):
     uri: str = "./kfrl-runs/store"
     # Transient errors (connection trouble, timeouts, 5xx, throttling) are retried up to `retries`
     # times, waiting backoff_s, 2 x backoff_s, ... (at most max_backoff_s) in between: the defaults
-    # ride out ~1.5 min of an object store that is away (a restarting MinIO pod, an S3 throttling burst).
+    # ride out about 70 s of an object store that is away (a restarting MinIO pod, an S3 throttling burst).
     retries: int = Field(8, ge=0)
     backoff_s: float = Field(0.5, ge=0)
     max_backoff_s: float = Field(20.0, ge=0)

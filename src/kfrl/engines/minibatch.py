@@ -36,7 +36,7 @@ def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor]
                 if not torch.isfinite(loss):
                     names = [sample_ids[i] for i in rows.tolist()] if sample_ids is not None else rows.tolist()
                     raise NonFiniteLossError(
-                        f"{prefix} loss is {float(loss)} on the micro-batch of samples {names[:8]}"
+                        f"{prefix} loss is {float(loss.detach())} on the micro-batch of samples {names[:8]}"
                         f"{' ...' if len(names) > 8 else ''} (epoch {_epoch + 1}, mini-batch {mb_start // mini_batch_size + 1}); "
                         f"the update stopped before writing a checkpoint: lower {prefix}.lr or check its inputs")
                 # The accumulated gradient equals the mini-batch mean whatever the micro-batch size.
