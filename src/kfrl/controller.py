@@ -139,10 +139,12 @@ def generation_rows(run: Run, iteration: int, limit: int) -> list[dict]:
 
 
 class StageWatcher:
-    """Polls the store for committed stages so the terminal shows where an iteration is."""
+    """Polls the store for committed stages so the terminal shows where an iteration is. One request
+    per poll (the next stage in order), every 2 s on S3: the display must not load the store."""
 
-    def __init__(self, run: Run, iteration: int, status, label: str, interval: float = 0.5):
-        self.run, self.iteration, self.status, self.label, self.interval = run, iteration, status, label, interval
+    def __init__(self, run: Run, iteration: int, status, label: str, interval: float | None = None):
+        self.run, self.iteration, self.status, self.label = run, iteration, status, label
+        self.interval = interval if interval is not None else (2.0 if run.store.is_s3 else 0.5)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.started = time.monotonic()
@@ -156,18 +158,16 @@ class StageWatcher:
         self._thread.join(timeout=5)
 
     def _loop(self):
-        done: set[str] = set()
+        done = 0
         while not self._stop.is_set():
-            for stage in STAGES:
-                if stage not in done:
-                    try:
-                        if self.run.is_committed(stage, self.iteration):
-                            done.add(stage)
-                    except Exception:  # the watcher only informs; the runner reports real failures
-                        pass
-            running = next((s for s in STAGES if s not in done), "recording")
+            try:
+                while done < len(STAGES) and self.run.is_committed(STAGES[done], self.iteration):
+                    done += 1
+            except Exception:  # the watcher only informs; the runner reports real failures
+                pass
+            running = STAGES[done] if done < len(STAGES) else "recording"
             elapsed = time.monotonic() - self.started
-            self.status.update(f"{self.label} · {running} … ({elapsed:.0f}s, {len(done)}/{len(STAGES)} stages)")
+            self.status.update(f"{self.label} · {running} … ({elapsed:.0f}s, {done}/{len(STAGES)} stages)")
             self._stop.wait(self.interval)
 
 

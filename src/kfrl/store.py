@@ -694,7 +694,7 @@ def _make_filesystem(is_s3: bool, connect_timeout_s: float, read_timeout_s: floa
         fs = s3fs.S3FileSystem(
             skip_instance_cache=True,
             use_listings_cache=False,
-            config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"},
+            config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"},
                            "connect_timeout": connect_timeout_s, "read_timeout": read_timeout_s},
         )
         fs.retries = 1
@@ -809,7 +809,7 @@ def _is_complete_copy(local_dir: Path, marker: Path, manifest: Manifest, source:
 
 
 def _describe(err: BaseException) -> str:
-    text = str(err) or type(err).__name__
+    text = str(err).strip().rstrip(".") or type(err).__name__  # callers end the sentence
     return f"{type(err).__name__}: {text}"
 
 
