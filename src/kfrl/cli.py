@@ -100,6 +100,28 @@ def train(
     typer.echo(f"done: run {summary.run_id} at {summary.run_uri}; MLflow run {summary.mlflow_run_id}")
 
 
+engine_app = typer.Typer(no_args_is_help=True, help="The resident engine that executes a run's stages.")
+app.add_typer(engine_app, name="engine")
+
+
+@engine_app.command("serve")
+def engine_serve(
+    run_uri: str = typer.Option(..., "--run-uri", help="the run's store URI (as printed by kfrl train)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0 in a pod)"),
+    port: int = typer.Option(0, "--port", help="port (0: any free one)"),
+    advertise: Optional[str] = typer.Option(None, "--advertise", help="URL tasks should use (a cluster Service); "
+                                            "default http://HOST:PORT"),
+    parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="stop when this process exits"),
+):
+    """Serve a run's stages (kfrl train starts it for the local runner with pipeline.engines=resident)."""
+    from kfrl.engine_server import serve
+
+    try:
+        serve(run_uri, host=host, port=port, advertise=advertise, parent_pid=parent_pid)
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as err:
+        _fail(f"{type(err).__name__}: {err}", code=EXIT_FAILED)
+
+
 data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets as veRL-schema Parquet files.")
 app.add_typer(data_app, name="data")
 

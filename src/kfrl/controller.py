@@ -237,6 +237,13 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
 
     runner = make_runner(config)
     logs = Path(log_dir or Path(config.pipeline.pipeline_root) / "logs") / run_id
+    engine = None
+    if config.pipeline.engines == "resident" and config.pipeline.runner == "local":
+        from kfrl.engine_client import EngineProcess
+
+        with console.status("starting the resident engine"):
+            engine = EngineProcess(run, logs / "engine.log").start()
+        console.print(f"resident engine at {engine.url} (log {logs / 'engine.log'})")
     try:
         if latest == 0 and not skip_reason("validate", config, 0):
             with console.status("validating the initial policy (trainer.val_before_train)"):
@@ -245,6 +252,10 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
             tracker.log_iteration(0, metrics)
             console.print(validation_line(0, metrics))
         for iteration in range(latest + 1, total + 1):
+            if engine is not None and not engine.alive():
+                console.print("[yellow]the resident engine is gone; starting it again[/]")
+                engine.stop()
+                engine.start()
             label = f"iteration {iteration}/{total}"
             started = time.perf_counter()
             with console.status(label) as status, StageWatcher(run, iteration, status, label):
@@ -260,6 +271,9 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     except BaseException:
         tracker.finish("FAILED")
         raise
+    finally:
+        if engine is not None:
+            engine.stop()
     tracker.finish("FINISHED")
     return summary
 

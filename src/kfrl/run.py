@@ -4,6 +4,7 @@
     {run}/data/train, {run}/data/val     the committed datasets
     {run}/iter-{N:06d}/{stage}/          each stage's commit (iteration 0: the initial policy/critic)
     {run}/LATEST                         the last iteration whose stages are committed and recorded
+    {run}/ENGINE.json                    where the run's resident engine listens, while it runs
 
 Weights after iteration N are the ``update_actor`` (``update_critic``) commit of N, or, when that
 update was skipped (critic warm-up), of the last iteration before N where it ran.
@@ -17,6 +18,7 @@ from kfrl.store import CorruptManifestError, Manifest, Store, StoreError, StoreN
 
 CONFIG_FILE = "config.yaml"
 LATEST_FILE = "LATEST"
+ENGINE_FILE = "ENGINE.json"
 POLICY_STAGE = "update_actor"
 CRITIC_STAGE = "update_critic"
 INIT_ITERATION = 0
@@ -149,3 +151,23 @@ class Run:
 
     def set_latest(self, iteration: int) -> None:
         self.store.write_text(LATEST_FILE, f"{_check_iteration(iteration)}\n")
+
+    # --- the resident engine ------------------------------------------------------------------------
+    def engine(self) -> dict | None:
+        """The resident engine's address record (``url``, ``pid``, ``host``), or None."""
+        import json
+
+        try:
+            return json.loads(self.store.read_text(ENGINE_FILE))
+        except StoreNotFoundError:
+            return None
+        except ValueError:
+            return None  # half-written by a killed engine: no engine
+
+    def set_engine(self, record: dict) -> None:
+        import json
+
+        self.store.write_text(ENGINE_FILE, json.dumps(record))
+
+    def clear_engine(self) -> None:
+        self.store.delete(ENGINE_FILE)

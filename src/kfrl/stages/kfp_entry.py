@@ -1,22 +1,24 @@
-"""What a KFP component body calls: run the stage, mirror its metrics into the KFP Metrics artifact."""
+"""What a KFP component body calls: run the stage (on the run's resident engine when one answers,
+else in this task), mirror its metrics into the KFP Metrics artifact."""
 from __future__ import annotations
 
 import math
 
 
 def run_for_kfp(stage: str, run_uri: str, iteration: int, metrics_artifact) -> str:
-    from kfrl.stages import run_stage
+    from kfrl.engine_client import dispatch
 
-    return _report(run_stage(stage, run_uri, int(iteration)), iteration, metrics_artifact)
+    return _report(dispatch(stage, run_uri, int(iteration)), iteration, metrics_artifact)
 
 
 def run_group_for_kfp(group: str, run_uri: str, iteration: int, metrics_artifact) -> str:
     """A fused component: the group's stages in one process; returns the last stage's URI."""
-    from kfrl.stages import FUSED_GROUPS, run_stage
+    from kfrl.engine_client import dispatch
+    from kfrl.stages import FUSED_GROUPS
 
     uri = ""
     for stage in FUSED_GROUPS[group]:
-        uri = _report(run_stage(stage, run_uri, int(iteration)), iteration, metrics_artifact)
+        uri = _report(dispatch(stage, run_uri, int(iteration)), iteration, metrics_artifact)
     metrics_artifact.metadata["stage"] = group
     return uri
 

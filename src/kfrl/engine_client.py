@@ -1,0 +1,123 @@
+"""The thin side of a resident engine (``kfrl.engine_server``): what a KFP task runs.
+
+``dispatch`` sends a stage to the run's engine when one answers, and otherwise runs the stage in
+this process (today's per-task path), so every pipeline still runs anywhere. Nothing here imports
+torch: a task that hands its stage to the engine costs an HTTP call, not a model load.
+"""
+from __future__ import annotations
+
+import sys
+
+from kfrl.run import Run
+
+HEALTH_TIMEOUT_S = 3.0
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine did not answer (not started, killed, unreachable)."""
+
+
+class EngineStageFailed(RuntimeError):
+    """The engine ran the stage and it failed; the message is the stage's error."""
+
+
+def find_engine(run: Run) -> str | None:
+    """The URL of the engine serving ``run``, or None when none answers for it."""
+    import requests
+
+    record = run.engine()
+    if not record or "url" not in record:
+        return None
+    try:
+        answer = requests.get(record["url"].rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_S)
+        body = answer.json() if answer.ok else {}
+    except (requests.RequestException, ValueError):
+        return None
+    return record["url"].rstrip("/") if body.get("run_uri") == run.uri else None
+
+
+def run_on_engine(url: str, stage: str, run_uri: str, iteration: int):
+    """Run one stage on the engine and wait for its commit; returns a ``StageResult``."""
+    import requests
+
+    from kfrl.stages import StageResult
+
+    try:
+        answer = requests.post(f"{url}/stages", json={"run_uri": run_uri, "iteration": int(iteration),
+                                                      "stage": stage}, timeout=None)
+    except requests.RequestException as err:
+        raise EngineUnavailable(f"engine {url} went away during {stage} of iteration {iteration}: "
+                                f"{type(err).__name__}") from err
+    try:
+        body = answer.json()
+    except ValueError:
+        body = {"error": answer.text[:500]}
+    if answer.status_code != 200:
+        if answer.status_code >= 500 and "error" in body:
+            raise EngineStageFailed(f"{stage} of iteration {iteration} failed in the engine ({url}): {body['error']}")
+        raise EngineUnavailable(f"engine {url} refused {stage}: HTTP {answer.status_code} {body}")
+    return StageResult(**body)
+
+
+def dispatch(stage: str, run_uri: str, iteration: int):
+    """Run ``stage`` on the run's engine if one answers, else here. Returns its ``StageResult``."""
+    run = Run.at(run_uri)
+    url = find_engine(run)
+    if url is not None:
+        try:
+            return run_on_engine(url, stage, run_uri, iteration)
+        except EngineUnavailable as err:
+            print(f"[kfrl] {err}; running the stage in this task instead", file=sys.stderr, flush=True)
+    from kfrl.stages import run_stage
+
+    return run_stage(stage, run_uri, int(iteration))
+
+
+class EngineProcess:
+    """The engine `kfrl train` starts for a run (local runner): ``kfrl engine serve`` as a child that
+    exits with its parent, its output in ``log_path``."""
+
+    def __init__(self, run: Run, log_path, start_timeout_s: float = 120.0):
+        self.run, self.log_path, self.start_timeout_s = run, log_path, start_timeout_s
+        self.proc = None
+        self.url: str | None = None
+
+    def start(self) -> "EngineProcess":
+        import os
+        import subprocess
+        import time
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.run.clear_engine()  # a record left by a killed engine must not be mistaken for this one
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kfrl.cli", "engine", "serve", "--run-uri", self.run.uri,
+                 "--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineUnavailable(f"the engine exited with status {self.proc.returncode} while starting; "
+                                        f"see {self.log_path}")
+            self.url = find_engine(self.run)
+            if self.url:
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise EngineUnavailable(f"the engine did not answer within {self.start_timeout_s:.0f}s; see {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and find_engine(self.run) is not None
+
+    def stop(self) -> None:
+        import subprocess
+
+        import requests
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            requests.post(f"{self.url}/shutdown", timeout=HEALTH_TIMEOUT_S)
+            self.proc.wait(timeout=15)
+        except (requests.RequestException, subprocess.TimeoutExpired, TypeError):
+            self.proc.kill()
+            self.proc.wait()

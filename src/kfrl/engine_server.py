@@ -1,0 +1,117 @@
+"""The resident engine: one long-lived process per run that executes stages by name.
+
+`kfrl engine serve --run-uri URI` (started and stopped by `kfrl train` for the local runner when
+``pipeline.engines=resident``) serves the run's stages over HTTP with the same stage functions a KFP
+task would call (``kfrl.stages.run_stage``). Because the process lives across stages and
+iterations, models, tokenizers and the rollout decoder stay loaded in it (``kfrl.stages.context``
+caches them by slot), and the import of torch and transformers is paid once instead of per task.
+
+KFP tasks become thin clients (``kfrl.engine_client``): they find the engine through the run's
+``ENGINE.json`` in the store, send (run_uri, iteration, stage) and return when the stage is
+committed. Stages run one at a time (one accelerator). Nothing lives only in the engine: every
+stage still commits to the store, so a killed engine loses at most the stage it was running.
+
+API (JSON): ``GET /health`` → ``{"status", "run_uri", "pid", "stages_run"}``; ``POST /stages`` with
+``{"run_uri", "iteration", "stage"}`` → the stage's result (``StageResult`` fields), or status 500
+with ``{"error"}`` naming the failure; ``POST /shutdown``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+import traceback
+
+from pydantic import BaseModel
+
+from kfrl.run import Run
+
+
+class StageRequest(BaseModel):
+    run_uri: str
+    iteration: int
+    stage: str
+
+
+def create_app(run_uri: str, on_shutdown=None):
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from kfrl.stages import run_stage
+
+    app = FastAPI(title="kfrl engine", docs_url=None, redoc_url=None)
+    lock = threading.Lock()
+    state = {"stages_run": 0}
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "run_uri": run_uri, "pid": os.getpid(), "stages_run": state["stages_run"]}
+
+    @app.post("/stages")
+    def stages(request: StageRequest):  # a plain def: FastAPI runs it in a worker thread
+        if request.run_uri != run_uri:
+            return JSONResponse({"error": f"this engine serves {run_uri}, not {request.run_uri}"}, status_code=409)
+        with lock:  # one stage at a time: they share the accelerator and the model cache
+            started = time.perf_counter()
+            try:
+                result = run_stage(request.stage, request.run_uri, request.iteration)
+            except Exception as err:  # noqa: BLE001 - reported to the task, which fails with it
+                traceback.print_exc()
+                return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=500)
+            state["stages_run"] += 1
+        print(f"[engine] iteration {request.iteration} {request.stage}: "
+              f"{'skipped' if result.skipped else 'already committed' if result.cached else 'done'} "
+              f"in {time.perf_counter() - started:.1f}s", flush=True)
+        return dataclasses.asdict(result)
+
+    @app.post("/shutdown")
+    def shutdown():
+        if on_shutdown is not None:
+            on_shutdown()
+        return {"status": "stopping"}
+
+    return app
+
+
+def serve(run_uri: str, *, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
+          parent_pid: int | None = None) -> None:
+    """Serve ``run_uri``'s stages until shut down (or until ``parent_pid`` exits); the address goes
+    into the run's ENGINE.json (``advertise`` overrides it, e.g. a cluster Service URL)."""
+    import uvicorn
+
+    probe = Run.at(run_uri)
+    run = Run.at(run_uri, **probe.config().store.options())
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    url = advertise or f"http://{host}:{sock.getsockname()[1]}"
+    server: uvicorn.Server | None = None
+
+    def stop() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    server = uvicorn.Server(uvicorn.Config(create_app(run.uri, on_shutdown=stop), log_level="warning",
+                                           timeout_keep_alive=600))
+    if parent_pid:
+        threading.Thread(target=_exit_with_parent, args=(parent_pid, stop), daemon=True).start()
+    run.set_engine({"url": url, "pid": os.getpid(), "host": socket.gethostname()})
+    print(f"[engine] serving {run.uri} at {url} (pid {os.getpid()})", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine = run.engine()
+        if engine is not None and engine.get("pid") == os.getpid():
+            run.clear_engine()
+        print("[engine] stopped", flush=True)
+
+
+def _exit_with_parent(parent_pid: int, stop) -> None:
+    # An engine whose driver was killed must not hold the accelerator forever.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            stop()
+            return

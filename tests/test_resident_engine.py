@@ -1,0 +1,99 @@
+"""The resident engine: KFP tasks hand their stage to one long-lived process per run, with the same
+committed results as tasks that each load what they need, in less time; a killed engine loses nothing."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from kfrl.config import load_config
+from kfrl.controller import train
+from kfrl.run import Run
+from kfrl.stages import STAGES
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4", "data.max_response_length=8",
+         "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_generations=0", "trainer.val_before_train=false",
+         "pipeline.fuse=none", "pipeline.runner=local"]
+
+
+def committed_tables(run: Run, iterations) -> dict[tuple[int, str], object]:
+    tables = {}
+    for iteration in iterations:
+        for stage in STAGES:
+            manifest = run.manifest(stage, iteration)
+            for name in manifest.names():
+                if name.endswith(".parquet"):
+                    tables[(iteration, stage, name)] = pq.read_table(
+                        Path(run.store.url(f"{manifest.prefix}/{manifest.attempt}/{name}")))
+    return tables
+
+
+def test_resident_and_per_task_commit_the_same_batches_and_resident_is_faster(tmp_path):
+    results = {}
+    for engines in ("per_task", "resident"):
+        config = load_config(Path("configs/demo.yaml"), SMALL + [
+            f"pipeline.engines={engines}", f"store.uri={tmp_path / engines}", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+            f"pipeline.pipeline_root={tmp_path / 'kfp'}"])
+        started = time.perf_counter()
+        summary = train(config, run_id=engines, iterations=2)
+        results[engines] = (time.perf_counter() - started, Run.at(summary.run_uri), summary)
+    (per_task_s, per_task_run, per_task), (resident_s, resident_run, resident) = results["per_task"], results["resident"]
+    expected, found = committed_tables(per_task_run, (1, 2)), committed_tables(resident_run, (1, 2))
+    assert sorted(found) == sorted(expected)
+    for key, table in expected.items():
+        assert found[key].equals(table), key
+    for iteration in (1, 2):
+        assert resident.iterations[iteration]["critic/score/mean"] == per_task.iterations[iteration]["critic/score/mean"]
+    engine_log = (tmp_path / "kfp" / "logs" / "resident" / "engine.log").read_text()
+    assert engine_log.count("[engine] iteration") == 2 * len(STAGES)  # every stage ran in the engine
+    assert resident_run.engine() is None  # stopped with the run
+    assert resident_s <= 0.5 * per_task_s, (resident_s, per_task_s)
+
+
+def test_a_task_without_an_engine_runs_the_stage_itself_and_never_imports_torch_with_one(tmp_path):
+    from kfrl.engine_client import EngineProcess
+    from kfrl.stages.prepare import prepare_run
+
+    config = load_config(Path("configs/demo.yaml"), SMALL + [f"store.uri={tmp_path / 's'}"])
+    run = Run.at(str(tmp_path / "s" / "demo" / "r"))
+    prepare_run(run.store, config)
+    probe = ("import sys; from kfrl.engine_client import dispatch; r = dispatch(sys.argv[2], sys.argv[1], 1); "
+             "print(r.stage, r.cached, 'torch' in sys.modules)")
+    engine = EngineProcess(run, tmp_path / "engine.log").start()
+    try:
+        thin = subprocess.run([sys.executable, "-c", probe, run.uri, "rollout"], capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        engine.stop()
+    assert thin.stdout.split() == ["rollout", "False", "False"], thin.stderr  # ran in the engine; no torch here
+    assert run.engine() is None
+    alone = subprocess.run([sys.executable, "-c", probe, run.uri, "score"], capture_output=True, text=True, timeout=300)
+    assert alone.stdout.split() == ["score", "False", "True"], alone.stderr  # no engine: ran here, loading torch
+
+
+def test_killing_the_engine_mid_run_loses_and_repeats_nothing(tmp_path):
+    store, db = tmp_path / "store", tmp_path / "m.db"
+    args = [sys.executable, "-m", "kfrl.cli", "train", "--config", "configs/demo.yaml", "--store", str(store),
+            "--tracking-uri", f"sqlite:///{db}", "--run-id", "k", "-n", "2", *SMALL,
+            f"pipeline.pipeline_root={tmp_path / 'kfp'}"]
+    run = Run.at(str(store / "demo" / "k"))
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not run.is_committed("score", 1):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    os.kill(run.engine()["pid"], signal.SIGKILL)  # the engine dies between or inside stages
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output
+    assert run.latest() == 2
+    first = {stage: run.manifest(stage, 1).attempt for stage in STAGES}
+    again = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert {stage: run.manifest(stage, 1).attempt for stage in STAGES} == first  # nothing redone
