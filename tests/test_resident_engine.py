@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from kfrl.config import load_config
 from kfrl.controller import train
@@ -51,6 +53,13 @@ def test_resident_and_per_task_commit_the_same_batches_and_resident_is_faster(tm
         assert found[key].equals(table), key
     for iteration in (1, 2):
         assert resident.iterations[iteration]["critic/score/mean"] == per_task.iterations[iteration]["critic/score/mean"]
+    # Iteration 2's update started from the engine's resident copy, the per-task one from the store: same weights.
+    assert resident_run.manifest("update_actor", 2).info["trainer_from"] == "memory"
+    assert per_task_run.manifest("update_actor", 2).info["trainer_from"] == "store"
+    weights = [load_file(run.store.committed_dir(run.manifest("update_actor", 2)) / "model.safetensors")
+               for run in (per_task_run, resident_run)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     engine_log = (tmp_path / "kfp" / "logs" / "resident" / "engine.log").read_text()
     assert engine_log.count("[engine] iteration") == 2 * len(STAGES)  # every stage ran in the engine
     assert resident_run.engine() is None  # stopped with the run

@@ -13,6 +13,12 @@ from kfrl.stages.context import StageContext
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
 
+# The training copy (fp32 model + optimizer) each update leaves in this process, per role: a resident
+# engine or the inline runner reuses it for the next update when it holds exactly the checkpoint that
+# update starts from (same commit), instead of reading the weights and optimizer state back from the
+# store. One per role, so memory does not grow; a failed update leaves none (it may be half-updated).
+_RESIDENT_TRAINERS: dict[str, tuple[str, object, object]] = {}
+
 
 def make_optimizer(model, optim_cfg):
     import torch
@@ -26,6 +32,30 @@ def load_optimizer(ctx: StageContext, optimizer, checkpoint: Path) -> None:
 
     if (checkpoint / OPTIMIZER_FILE).exists():
         optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER_FILE, map_location=ctx.device, weights_only=True))
+
+
+def _commit_key(ctx: StageContext, prefix: str, attempt: str) -> str:
+    return f"{ctx.store.url(prefix)}#{attempt}"
+
+
+def trainer(ctx: StageContext, role: str, previous, load_model, optim_cfg, attempt):
+    """(model, optimizer) holding checkpoint ``previous``: the resident copy when it is that commit,
+    else loaded from the store. The manifest records which (``trainer_from``: memory | store)."""
+    held = _RESIDENT_TRAINERS.pop(role, None)
+    if held is not None and held[0] == _commit_key(ctx, previous.prefix, previous.attempt):
+        attempt.info["trainer_from"] = "memory"
+        return held[1], held[2]
+    del held  # a stale copy is freed before the new one is loaded
+    model = load_model()
+    optimizer = make_optimizer(model, optim_cfg)
+    load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous, training_state=True))
+    attempt.info["trainer_from"] = "store"
+    return model, optimizer
+
+
+def keep_trainer(ctx: StageContext, role: str, attempt, model, optimizer) -> None:
+    """Keep the updated copy for the next update; it is used only if ``attempt`` is what got committed."""
+    _RESIDENT_TRAINERS[role] = (_commit_key(ctx, attempt.prefix, attempt.attempt), model, optimizer)
 
 
 def save_checkpoint(ctx: StageContext, attempt, model, tokenizer, optimizer, state: dict) -> float:
@@ -51,9 +81,8 @@ def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, flo
     cfg = ctx.config
     previous = ctx.policy_manifest(ctx.iteration - 1)
     tokenizer = ctx.load_tokenizer(previous)
-    model = ctx.load_model(previous, for_training=True)
-    optimizer = make_optimizer(model, cfg.actor)
-    load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous, training_state=True))
+    model, optimizer = trainer(ctx, "actor", previous, lambda: ctx.load_model(previous, for_training=True), cfg.actor,
+                               attempt)
 
     # Without old log-probs (the on-policy shortcut) the update uses its own; the reference only for a KL loss.
     fields = ("advantages", "old_logprobs") + (("ref_logprobs",) if cfg.actor.use_kl_loss else ())
@@ -65,6 +94,7 @@ def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, flo
         "policy_version": ctx.iteration,
         "optimizer_steps": _steps_before(ctx, previous) + cfg.n_mini_batches * cfg.actor.ppo_epochs,
     })
+    keep_trainer(ctx, "actor", attempt, model, optimizer)
     return None, metrics
 
 
@@ -75,9 +105,8 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
     cfg = ctx.config
     previous = ctx.critic_manifest(ctx.iteration - 1)
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(0))
-    model = ctx.load_critic(previous, for_training=True)
-    optimizer = make_optimizer(model, cfg.critic)
-    load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous, training_state=True))
+    model, optimizer = trainer(ctx, "critic", previous, lambda: ctx.load_critic(previous, for_training=True),
+                               cfg.critic, attempt)
 
     trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0, fields=("values", "returns"))
     metrics = run_update(model, optimizer, trajectories, mini_batch_size=cfg.critic_mini_batch_size * cfg.rollout.n,
@@ -89,6 +118,7 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
     n_steps = (cfg.data.train_batch_size // cfg.critic_mini_batch_size) * cfg.critic_ppo_epochs
     metrics["timing_s/save_checkpoint_critic"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {
         "optimizer_steps": _steps_before(ctx, previous) + n_steps})
+    keep_trainer(ctx, "critic", attempt, model, optimizer)
     return None, metrics
 
 
