@@ -239,11 +239,15 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     logs = Path(log_dir or Path(config.pipeline.pipeline_root) / "logs") / run_id
     engine = None
     if config.pipeline.engines == "resident" and config.pipeline.runner == "local":
-        from kfrl.engine_client import EngineProcess
+        from kfrl.engine_client import EngineProcess, EngineUnavailable
 
-        with console.status("starting the resident engine"):
-            engine = EngineProcess(run, logs / "engine.log").start()
-        console.print(f"resident engine at {engine.url} (log {logs / 'engine.log'})")
+        try:
+            with console.status("starting the resident engine"):
+                engine = EngineProcess(run, logs / "engine.log").start()
+            console.print(f"resident engine at {engine.url} (log {logs / 'engine.log'})")
+        except EngineUnavailable as err:  # the tasks run their stages themselves: slower, same results
+            engine = None
+            console.print(f"[yellow]no resident engine ({err}); each task runs its own stage[/]")
     try:
         if latest == 0 and not skip_reason("validate", config, 0):
             with console.status("validating the initial policy (trainer.val_before_train)"):
@@ -255,7 +259,11 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
             if engine is not None and not engine.alive():
                 console.print("[yellow]the resident engine is gone; starting it again[/]")
                 engine.stop()
-                engine.start()
+                try:
+                    engine.start()
+                except EngineUnavailable as err:
+                    engine = None
+                    console.print(f"[yellow]the engine did not come back ({err}); each task runs its own stage[/]")
             label = f"iteration {iteration}/{total}"
             started = time.perf_counter()
             with console.status(label) as status, StageWatcher(run, iteration, status, label):
