@@ -27,7 +27,7 @@ checkpoint registered and validation at every iteration) started as ``python -m 
 After every trial and scenario the run is checked for: lost iterations (MLflow history of
 ``critic/score/mean`` must have steps exactly [1, 2, 3]; other checked metrics the reference's
 steps), repeated iterations (a step twice in a metric's history), corrupt reads (a committed file
-that does not match its ``_COMMITTED`` manifest; "sha256"/"truncated" errors in any stderr),
+that does not match its ``_COMMITTED`` manifest; "sha256"/"xxh3"/"truncated" errors in any stderr),
 duplicate or missing registered model versions (exactly one per iteration), scores that differ from
 the reference, a LATEST that is not "3", more than one MLflow run for the kfrl run, and invocations
 that failed for another reason than a kill (the long outage's first invocation may fail).
@@ -83,7 +83,7 @@ SCORE_TOLERANCE = 1e-9
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                   "AWS_DEFAULT_REGION": "us-east-1"}
 # stderr lines that mean a committed file was read back wrong (retried transient warnings excepted).
-CORRUPT_PATTERN = re.compile(r"sha256|truncated", re.IGNORECASE)
+CORRUPT_PATTERN = re.compile(r"sha256|xxh3|truncated", re.IGNORECASE)
 TRANSIENT_WARNING = "transient error on"
 
 # name -> faults set before the run (or `delay_s` seconds into it), and whether the run may fail.
@@ -370,8 +370,8 @@ def check_manifests(target: Target, files: dict[str, int]) -> tuple[list[str], i
             data = read_store_file(target, path)
             if len(data) != entry["size"]:
                 problems.append(f"{path}: {len(data)} bytes, manifest says {entry['size']}")
-            elif hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                problems.append(f"{path}: sha256 differs from the manifest")
+            elif not _digest_ok(entry, data):
+                problems.append(f"{path}: digest differs from the manifest")
     return problems, len(manifests)
 
 
@@ -382,6 +382,15 @@ def corrupt_lines(invocations: list[Invocation]) -> list[str]:
             if CORRUPT_PATTERN.search(line) and TRANSIENT_WARNING not in line:
                 found.append(f"{inv.label}: {line.strip()[:300]}")
     return found
+
+
+def _digest_ok(entry: dict, data: bytes) -> bool:
+    """The manifest's digest recomputed here, independently of kfrl.store (XXH3-128 or SHA-256)."""
+    if "xxh3_128" in entry:
+        import xxhash
+
+        return xxhash.xxh3_128(data).hexdigest() == entry["xxh3_128"]
+    return hashlib.sha256(data).hexdigest() == entry["sha256"]
 
 
 def latest_value(target: Target, files: dict[str, int]) -> str | None:

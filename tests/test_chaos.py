@@ -1,7 +1,6 @@
 """Chaos: kill `kfrl train` (SIGKILL) at each moment that matters, resume, and compare with an
 uninterrupted run: nothing lost, nothing repeated, no corrupt file read, no version registered twice,
 the same numbers. `bench/chaos.py` does the same at random moments and with S3 faults, at length."""
-import hashlib
 import json
 import os
 import subprocess
@@ -9,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import xxhash
 from mlflow.tracking import MlflowClient
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def corrupt_commits(run_dir: Path) -> list[str]:
         manifest = json.loads(manifest_path.read_text())
         for entry in manifest["files"]:
             path = manifest_path.parent / manifest["attempt"] / entry["name"]
-            if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
+            if not path.is_file() or xxhash.xxh3_128(path.read_bytes()).hexdigest() != entry["xxh3_128"]:
                 bad.append(str(path))
     return bad
 

@@ -37,7 +37,9 @@ def _objects(bucket: str, prefix: str) -> dict[str, bytes]:
 
 
 def test_two_iterations_through_kfp_local_s3_and_mlflow(s3_bucket, mlflow_server, tmp_path):
-    import hashlib
+    import xxhash
+
+    from kfrl.store import digest_matches
 
     cfg = load_config(Path("configs/demo.yaml"), SMALL + [
         f"store.uri=s3://{s3_bucket}/runs", f"tracking.uri={mlflow_server}", "pipeline.runner=local",
@@ -55,7 +57,7 @@ def test_two_iterations_through_kfp_local_s3_and_mlflow(s3_bucket, mlflow_server
             manifest = json.loads(objects[f"iter-{it:06d}/{stage}/_COMMITTED"])
             for f in manifest["files"]:
                 data = objects[f"iter-{it:06d}/{stage}/{manifest['attempt']}/{f['name']}"]
-                assert len(data) == f["size"] and hashlib.sha256(data).hexdigest() == f["sha256"]
+                assert digest_matches(f, data) and xxhash.xxh3_128(data).hexdigest() == f["xxh3_128"]
         ref = json.loads(objects[f"iter-{it:06d}/ref_logprob/_COMMITTED"])
         assert ref["info"]["skipped"] and not ref["files"]  # no KL term → no reference pass
     ckpt = json.loads(objects["iter-000002/update_actor/_COMMITTED"])

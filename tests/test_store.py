@@ -32,8 +32,10 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def xxh(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128(data).hexdigest()
 
 
 def commit_two_files(store: Store, prefix: str = PREFIX, **kw) -> Manifest:
@@ -63,7 +65,7 @@ def test_commit_writes_files_and_manifest(store):
     assert store.is_committed(PREFIX)
     assert manifest.prefix == PREFIX and manifest.attempt.startswith("attempt-")
     assert manifest.names() == ["part-00000.parquet", "sub/dir/b.bin"]
-    assert manifest.files[1] == {"name": "sub/dir/b.bin", "size": 1000, "sha256": sha(b"x" * 1000)}
+    assert manifest.files[1] == {"name": "sub/dir/b.bin", "size": 1000, "xxh3_128": xxh(b"x" * 1000)}
     assert manifest.metrics == {"rollout/n": 2.0} and manifest.info == {"model": "tiny"}
 
     reread = store.manifest(PREFIX)
@@ -123,7 +125,7 @@ def test_upload_dir_and_download_cache(store, tmp_path):
     attempt.upload_dir(src)
     manifest = attempt.commit()
     assert manifest.names() == ["config.json", "nested/model.safetensors"]
-    assert manifest.file("nested/model.safetensors")["sha256"] == sha(b"w" * 4096)
+    assert manifest.file("nested/model.safetensors")["xxh3_128"] == xxh(b"w" * 4096)
 
     dest = tmp_path / "dl"
     assert store.download(manifest, dest) == dest
@@ -146,7 +148,7 @@ def test_read_file_detects_corruption(store):
     file_uri = store.url(file_rel)
 
     store.write_bytes(file_rel, b"FIRST FILE")  # same size, different content
-    with pytest.raises(StoreError, match="sha256") as err:
+    with pytest.raises(StoreError, match="xxh3_128") as err:
         store.read_file(manifest, "part-00000.parquet")
     assert file_uri in str(err.value)
 
@@ -240,6 +242,32 @@ def test_local_store_retries_transient_errors(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store, "_raw_read", flaky)
     assert store.read_bytes("a") == b"ok" and calls["n"] == 3
+
+
+def test_digests_run_at_io_speed_and_sha256_manifests_stay_readable(store):
+    import os
+    import time
+
+    from kfrl.store import digest_matches
+
+    data = os.urandom(64 * 2**20)
+    started = time.perf_counter()
+    digest = xxh(data)
+    assert 64 / 1024 / (time.perf_counter() - started) >= 1.0  # GB/s; ~10 on one core here, sha256 ~1.3
+    assert digest_matches({"name": "d", "size": len(data), "xxh3_128": digest}, data)
+    # A manifest written with SHA-256 (before XXH3) is read and verified as it is.
+    attempt = store.open_attempt("old")
+    attempt.write_bytes("a.bin", b"abc")
+    manifest = attempt.commit()
+    legacy = Manifest(prefix=manifest.prefix, attempt=manifest.attempt,
+                      files=[{"name": "a.bin", "size": 3, "sha256": hashlib.sha256(b"abc").hexdigest()}])
+    assert store.read_file(Manifest.from_json(legacy.to_json(), "legacy"), "a.bin") == b"abc"
+    tampered = Manifest(prefix=manifest.prefix, attempt=manifest.attempt,
+                        files=[{"name": "a.bin", "size": 3, "sha256": hashlib.sha256(b"abd").hexdigest()}])
+    with pytest.raises(StoreError, match="has sha256"):
+        store.read_file(tampered, "a.bin")
+    with pytest.raises(StoreError, match="a digest"):
+        Manifest.from_json('{"prefix": "p", "attempt": "a", "files": [{"name": "x", "size": 1}]}', "nodigest")
 
 
 def test_manifest_json_round_trip():

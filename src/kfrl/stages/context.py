@@ -13,7 +13,7 @@ from pathlib import Path
 from kfrl.config import Config
 from kfrl.models import cache_dir
 from kfrl.run import CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, Run, RunLayoutError
-from kfrl.store import Manifest, Store
+from kfrl.store import Manifest, Store, entry_digest
 
 
 def stage_seed(run_seed: int, stage: str, iteration: int, stream: int = 0) -> int:
@@ -167,7 +167,7 @@ class StageContext:
         quiet_transformers()
         local = self.checkpoint_dir(manifest)
         # Tokenizer files are the same in every checkpoint of a run: key by their content.
-        key = tuple(sorted((f["name"], f["sha256"]) for f in manifest.files if _is_tokenizer_file(f["name"]))) \
+        key = tuple(sorted((f["name"], entry_digest(f)) for f in manifest.files if _is_tokenizer_file(f["name"]))) \
             or (str(local),)
         return _cached_in(_TOKENIZER_CACHE, key, lambda: load_tokenizer(local), TOKENIZER_CACHE_SIZE)
 
