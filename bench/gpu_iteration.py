@@ -1,15 +1,19 @@
 """One GRPO iteration of a Qwen2.5-0.5B-shaped model (random init) on one GPU, stage by stage.
 
     python bench/gpu_iteration.py --out results.json [--iterations 2] [key=value ...]
+    python bench/gpu_iteration.py --workload trl --iterations 10 --out results.json
     python bench/gpu_iteration.py --config configs/gsm8k_grpo_qwen05b.yaml [key=value ...]
 
 With ``--config`` a ready config runs as written except for the model (the random 0.5B shape),
 the data (256 synthetic GSM8K-format rows: the same schema, prompt and reward as `kfrl data
 gsm8k` writes) and the store: a smoke run of the GSM8K configs where no hub is reachable.
 
-Runs the same stage functions the pipeline runs (inline, local store), with the issue's shape:
-64 prompts x 4 samples, 256 new tokens, KL loss on (so the reference pass runs), 4 mini-batches (so
-the old-logprob pass runs). A random-init model almost never emits EOS, so every response is the
+Runs the same stage functions the pipeline runs, in one long-lived process as the resident engine
+runs them (``run_stage`` in turn, trainer state written in the background, weights handed from the
+update to the rollout in memory; the engine's HTTP hop is not included), on a local store. Shape:
+64 prompts x 4 samples, 256 new tokens; ``--workload full`` (default) has the KL loss on (so the
+reference pass runs) and 4 mini-batches (so the old-logprob pass runs); ``--workload trl`` is the
+TRL GRPOTrainer comparison: no KL, one optimizer step, micro-batch 32. A random-init model almost never emits EOS, so every response is the
 full 256 tokens: the worst case for rollout. Prints one JSON object: per-stage seconds and peak
 GPU memory, tokens per second, and the config used.
 """
@@ -77,6 +81,33 @@ def write_gsm8k_shaped(out: Path, rows: int = 256) -> dict[str, Path]:
     return paths
 
 
+H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA's H200 SXM figure without sparsity
+
+
+def update_mfu(run, iteration: int, stage: dict) -> float | None:
+    """Model FLOPs utilisation of the actor update's compute: 6 x parameters x tokens trained (prompt and
+    response, padding excluded) over the update's seconds without its checkpoint and hand-off."""
+    import pyarrow.parquet as pq
+
+    from kfrl.run import Run
+
+    if stage.get("skipped"):
+        return None
+    r = Run(run)
+    manifest = r.manifest("rollout", iteration)
+    tokens = 0
+    for name in manifest.names():
+        if name.endswith(".parquet"):
+            table = pq.read_table(run.url(f"{manifest.prefix}/{manifest.attempt}/{name}"),
+                                  columns=["prompt_ids", "response_ids"])
+            tokens += sum(len(x) for x in table.column("prompt_ids").to_pylist())
+            tokens += sum(len(x) for x in table.column("response_ids").to_pylist())
+    compute_s = stage["timing_s/update_actor"] - sum(stage.get(k, 0.0) for k in (
+        "timing_s/save_checkpoint", "timing_s/hand_off", "timing_s/save_trainer_state"))
+    params = 494_032_768
+    return round(6 * params * tokens / compute_s / H200_BF16_DENSE_FLOPS, 3) if compute_s > 0 else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
@@ -85,6 +116,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--response-length", type=int, default=256)
     parser.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic")
+    parser.add_argument("--workload", choices=["full", "trl"], default="full")
+    parser.add_argument("--per-task", action="store_true",
+                        help="forget loaded models and the training copy after every stage (each stage loads from the store)")
     parser.add_argument("--config", type=Path, default=None, help="a ready config to run instead of the issue shape")
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. algorithm.adv_estimator=gae")
     args = parser.parse_args()
@@ -92,7 +126,7 @@ def main() -> None:
     import torch
 
     from kfrl.config import load_config
-    from kfrl.stages import STAGES, run_stage
+    from kfrl.stages import STAGES, context, run_stage, update
     from kfrl.stages.prepare import prepare_run
     from kfrl.store import Store
 
@@ -110,8 +144,11 @@ def main() -> None:
         overrides = [
             f"model.path={model_dir}", f"store.uri={work / 'store'}", "pipeline.runner=inline",
             f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}",
-            f"data.max_response_length={args.response_length}", "actor.ppo_mini_batch_size=16",
-            "actor.ppo_micro_batch_size_per_gpu=16", "actor.use_kl_loss=true",
+            f"data.max_response_length={args.response_length}",
+            *(["actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=16", "actor.use_kl_loss=true"]
+              if args.workload == "full" else
+              [f"actor.ppo_mini_batch_size={args.prompts}", "actor.ppo_micro_batch_size_per_gpu=32",
+               "actor.use_kl_loss=false"]),
             "rollout.log_prob_micro_batch_size_per_gpu=64", "actor.lr=1e-6",
             f"trainer.total_iterations={args.iterations}", f"rollout.hf_cache={args.hf_cache}", *args.overrides,
         ]
@@ -121,8 +158,10 @@ def main() -> None:
     prepare_run(run, cfg)
     prepare_s = time.perf_counter() - t0
 
+    update.write_states_in_background(not args.per_task)
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": "Qwen2.5-0.5B shape, random init",
-               "config": str(args.config) if args.config else None,
+               "config": str(args.config) if args.config else None, "workload": args.workload,
+               "mode": "per_task" if args.per_task else "resident",
                "params": None, "build_model_s": build_s, "prepare_s": prepare_s, "overrides": overrides, "iterations": []}
     for iteration in range(1, args.iterations + 1):
         stages = {}
@@ -132,6 +171,12 @@ def main() -> None:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             result = run_stage(stage, run.uri, iteration)
+            if args.per_task:
+                update.drain()
+                update._RESIDENT_TRAINERS.clear()
+                context._MODEL_CACHE.clear()
+                context._MODEL_SLOTS.clear()
+                torch.cuda.empty_cache()
             torch.cuda.synchronize()
             stages[stage] = {"wall_s": round(time.perf_counter() - t0, 3),
                              "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -145,12 +190,19 @@ def main() -> None:
                 stages[stage]["backend"] = StageContext.open(run.uri, iteration).manifest("rollout").info.get(
                     "rollout_backend")
         total = time.perf_counter() - it_start
+        update._wait_for_state("actor")  # memory measured once the state snapshot is on the host
         gen = stages["rollout"]
         results["iterations"].append({
             "iteration": iteration, "total_s": round(total, 2), "stages": stages,
             "rollout_tokens_per_s": round(gen["perf/response_tokens"] / gen["wall_s"], 1),
+            "update_mfu": update_mfu(run, iteration, stages["update_actor"]),
+            "allocated_gib_after": round(torch.cuda.memory_allocated() / 2**30, 3),
+            "reserved_gib_after": round(torch.cuda.memory_reserved() / 2**30, 3),
         })
         print(json.dumps(results["iterations"][-1]), flush=True)
+    started = time.perf_counter()
+    update.drain()
+    results["drain_trainer_state_s"] = round(time.perf_counter() - started, 2)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)

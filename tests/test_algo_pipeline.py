@@ -105,7 +105,8 @@ def test_ppo_critic_values_gae_and_critic_metrics(tmp_path):
     init = ctx.load_critic(ctx.critic_manifest(0))
     trained = ctx.load_critic(ctx.critic_manifest(1))
     assert not torch.equal(init.score.weight, trained.score.weight)
-    state = json.loads(ctx.store.read_file(ctx.critic_manifest(2), "trainer_state.json"))
+    assert ctx.critic_manifest(2).info["optimizer_steps"] == 2 * (4 // 2)
+    state = json.loads(ctx.store.read_file(ctx.run.manifest("critic_state", 2), "trainer_state.json"))
     assert state["optimizer_steps"] == 2 * (4 // 2)
 
 

@@ -19,10 +19,11 @@ OVERRIDES = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.
              "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_generations=2", "trainer.save_freq=1",
              "trainer.test_freq=1", "data.builtin_val_size=8"]
 # In order, each in its own invocation of a fresh run (every one must be reached): before anything,
-# inside MLflow's database creation (after preparation), half-way through uploading a checkpoint, a
-# stage's files written but its manifest not published, LATEST moved, a version registered but LATEST
-# not yet moved.
-KILL_POINTS = ["startup", "mlflow_init", "upload@3", "commit@4", "latest@1", "registration@1"]
+# inside MLflow's database creation (after preparation), the trainer state being written in the
+# background (its update is redone when the next update needs it), a version registered but LATEST
+# not yet moved, a checkpoint's files written but not committed, a stage's files written but its
+# manifest not published, LATEST moved.
+KILL_POINTS = ["startup", "mlflow_init", "trainer_state@1", "registration@1", "upload@3", "commit@4", "latest@1"]
 VARYING = ("timing_s/", "perf/")  # wall-clock figures differ between runs
 
 
@@ -70,6 +71,10 @@ def test_kills_at_every_critical_moment_lose_and_repeat_nothing(tmp_path):
     run_dir = store / "demo" / "chaos"
     assert (run_dir / "LATEST").read_text().strip() == str(ITERATIONS)
     assert corrupt_commits(run_dir) == []
+    # The trainer state lost to the kill was rebuilt by the update that needed it.
+    sources = [json.loads((run_dir / f"iter-{i:06d}" / "update_actor" / "_COMMITTED").read_text())["info"]["trainer_from"]
+               for i in range(1, ITERATIONS + 1)]
+    assert "rebuilt" in sources, sources
     expected, expected_versions = recorded(tmp_path / "ref.db", "ref")
     history, versions = recorded(db, "chaos")
     assert [step for step, _ in history["critic/score/mean"]] == list(range(1, ITERATIONS + 1))  # none lost or twice

@@ -62,7 +62,11 @@ def test_two_iterations_through_kfp_local_s3_and_mlflow(s3_bucket, mlflow_server
         assert ref["info"]["skipped"] and not ref["files"]  # no KL term → no reference pass
     ckpt = json.loads(objects["iter-000002/update_actor/_COMMITTED"])
     names = {f["name"] for f in ckpt["files"]}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.pt", "trainer_state.json"} <= names
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names  # the weights: what a rollout loads
+    assert not names & {"optimizer.pt", "trainer_state.json"}
+    state = json.loads(objects["iter-000002/actor_state/_COMMITTED"])  # the trainer state, its own commit
+    assert state["info"]["weights_attempt"] == ckpt["attempt"]
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= {f["name"] for f in state["files"]}
 
     client = MlflowClient(tracking_uri=mlflow_server)
     runs = client.search_runs(

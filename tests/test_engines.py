@@ -95,3 +95,30 @@ def test_update_changes_weights_in_direction_of_advantage(tiny):
     model.eval()
     after, _ = compute_logprobs(model, data, temperature=1.0, micro_batch_size=1, with_entropy=False)
     assert after[0].sum() > before[0].sum()
+
+
+def test_chunked_log_probs_and_their_gradients_equal_the_whole_vocabulary_pass(tiny, monkeypatch):
+    from kfrl.engines import inference
+
+    model, tokenizer, prompts = tiny
+    model = copy.deepcopy(model).train()
+    torch.manual_seed(1)
+    responses = [torch.randint(3, tokenizer.vocab_size, (n,)).tolist() for n in (5, 9, 2, 7, 4, 8)]
+    batch = Trajectories.from_lists(prompts, responses, pad_id=tokenizer.pad_token_id)
+
+    def pass_with(chunk_elements):
+        monkeypatch.setattr(inference, "LOGIT_CHUNK_ELEMENTS", chunk_elements)
+        model.zero_grad(set_to_none=True)
+        log_probs, entropy = inference.forward_response(model, batch, 0.7, True)
+        (log_probs.sum() + 0.1 * entropy.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return log_probs.detach(), entropy.detach(), grads
+
+    whole = pass_with(2**40)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    chunked = pass_with(vocab * 7)  # 7 positions per chunk, recomputed in the backward pass
+    torch.testing.assert_close(chunked[0], whole[0])
+    torch.testing.assert_close(chunked[1], whole[1])
+    assert chunked[2].keys() == whole[2].keys()
+    for name in whole[2]:
+        torch.testing.assert_close(chunked[2][name], whole[2][name], atol=1e-6, rtol=1e-5)

@@ -20,7 +20,7 @@ from kfrl.stages import STAGES
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4", "data.max_response_length=8",
+SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4", "data.max_response_length=16",
          "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_generations=0", "trainer.val_before_train=false",
          "pipeline.fuse=none", "pipeline.runner=local"]
 
@@ -44,24 +44,30 @@ def test_resident_and_per_task_commit_the_same_batches_and_resident_is_faster(tm
             f"pipeline.engines={engines}", f"store.uri={tmp_path / engines}", f"tracking.uri=sqlite:///{tmp_path}/m.db",
             f"pipeline.pipeline_root={tmp_path / 'kfp'}"])
         started = time.perf_counter()
-        summary = train(config, run_id=engines, iterations=2)
+        summary = train(config, run_id=engines, iterations=3)
         results[engines] = (time.perf_counter() - started, Run.at(summary.run_uri), summary)
     (per_task_s, per_task_run, per_task), (resident_s, resident_run, resident) = results["per_task"], results["resident"]
-    expected, found = committed_tables(per_task_run, (1, 2)), committed_tables(resident_run, (1, 2))
+    expected, found = committed_tables(per_task_run, (1, 2, 3)), committed_tables(resident_run, (1, 2, 3))
     assert sorted(found) == sorted(expected)
     for key, table in expected.items():
         assert found[key].equals(table), key
-    for iteration in (1, 2):
+    for iteration in (1, 2, 3):
         assert resident.iterations[iteration]["critic/score/mean"] == per_task.iterations[iteration]["critic/score/mean"]
-    # Iteration 2's update started from the engine's resident copy, the per-task one from the store: same weights.
-    assert resident_run.manifest("update_actor", 2).info["trainer_from"] == "memory"
-    assert per_task_run.manifest("update_actor", 2).info["trainer_from"] == "store"
-    weights = [load_file(run.store.committed_dir(run.manifest("update_actor", 2)) / "model.safetensors")
-               for run in (per_task_run, resident_run)]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    # The engine's updates after the first started from its resident copy and handed the new weights to
+    # its rollout in memory; per task, each loaded them from the store: the same batches and weights.
+    for iteration in (2, 3):
+        assert resident_run.manifest("update_actor", iteration).info["trainer_from"] == "memory"
+        assert per_task_run.manifest("update_actor", iteration).info["trainer_from"] == "store"
+    for iteration in (2, 3):
+        weights = [load_file(run.store.committed_dir(run.manifest("update_actor", iteration)) / "model.safetensors")
+                   for run in (per_task_run, resident_run)]
+        assert weights[0].keys() == weights[1].keys()
+        assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    # The engine wrote the last trainer state before it stopped; the window keeps the last two.
+    for run in (per_task_run, resident_run):
+        assert [i for i in (1, 2, 3) if run.is_committed("actor_state", i)] == [2, 3]
     engine_log = (tmp_path / "kfp" / "logs" / "resident" / "engine.log").read_text()
-    assert engine_log.count("[engine] iteration") == 2 * len(STAGES)  # every stage ran in the engine
+    assert engine_log.count("[engine] iteration") == 3 * len(STAGES)  # every stage ran in the engine
     assert resident_run.engine() is None  # stopped with the run
     assert resident_s <= 0.5 * per_task_s, (resident_s, per_task_s)
 

@@ -210,6 +210,10 @@ class TrainerConfig(Section):
     # so the critic trains alone for critic_warmup - 1 iterations.
     critic_warmup: int = Field(0, ge=0)
     save_freq: int = Field(-1, description="register a checkpoint every k iterations (and at the end); -1 = only at the end")
+    # Trainer state (fp32 weights + optimizer, what an update resumes from; 12 bytes per parameter) is
+    # kept for the last keep_trainer_states iterations and at every save_freq-th; older states are
+    # deleted. 0 = keep every one. The policy weights of every iteration are always kept.
+    keep_trainer_states: int = Field(2, ge=0)
     seed: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Generations logged to MLflow as a table, per iteration.

@@ -282,6 +282,9 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     finally:
         if engine is not None:
             engine.stop()
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
     tracker.finish("FINISHED")
     return summary
 

@@ -77,8 +77,9 @@ class EngineProcess:
     """The engine `kfrl train` starts for a run (local runner): ``kfrl engine serve`` as a child that
     exits with its parent, its output in ``log_path``."""
 
-    def __init__(self, run: Run, log_path, start_timeout_s: float = 120.0):
+    def __init__(self, run: Run, log_path, start_timeout_s: float = 120.0, stop_timeout_s: float = 600.0):
         self.run, self.log_path, self.start_timeout_s = run, log_path, start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
         self.proc = None
         self.url: str | None = None
 
@@ -117,7 +118,8 @@ class EngineProcess:
             return
         try:
             requests.post(f"{self.url}/shutdown", timeout=HEALTH_TIMEOUT_S)
-            self.proc.wait(timeout=15)
+            # It finishes writing the last trainer state first (seconds; minutes for a large model).
+            self.proc.wait(timeout=self.stop_timeout_s)
         except (requests.RequestException, subprocess.TimeoutExpired, TypeError):
             self.proc.kill()
             self.proc.wait()

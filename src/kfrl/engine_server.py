@@ -98,10 +98,16 @@ def serve(run_uri: str, *, host: str = "127.0.0.1", port: int = 0, advertise: st
     if parent_pid:
         threading.Thread(target=_exit_with_parent, args=(parent_pid, stop), daemon=True).start()
     run.set_engine({"url": url, "pid": os.getpid(), "host": socket.gethostname()})
+    from kfrl.stages import update
+
+    update.write_states_in_background(True)  # this process outlives its stages: trainer state off the critical path
     print(f"[engine] serving {run.uri} at {url} (pid {os.getpid()})", flush=True)
     try:
         server.run(sockets=[sock])
     finally:
+        started = time.perf_counter()
+        update.drain()  # trainer state still being written is finished before the engine goes
+        print(f"[engine] trainer state written ({time.perf_counter() - started:.1f}s)", flush=True)
         engine = run.engine()
         if engine is not None and engine.get("pid") == os.getpid():
             run.clear_engine()

@@ -13,7 +13,7 @@ import signal
 from collections import Counter
 
 ENV = "KFRL_KILL_AT"
-POINTS = ("startup", "mlflow_init", "upload", "commit", "registration", "latest")
+POINTS = ("startup", "mlflow_init", "upload", "commit", "registration", "latest", "trainer_state")
 _hits: Counter = Counter()
 
 

@@ -3,6 +3,8 @@
     {run}/config.yaml                    the resolved config every stage reads
     {run}/data/train, {run}/data/val     the committed datasets
     {run}/iter-{N:06d}/{stage}/          each stage's commit (iteration 0: the initial policy/critic)
+    {run}/iter-{N:06d}/actor_state/      the trainer state after the update of N (fp32 weights, optimizer):
+    {run}/iter-{N:06d}/critic_state/     only the next update or a resume reads it; the last few are kept
     {run}/LATEST                         the last iteration whose stages are committed and recorded
     {run}/ENGINE.json                    where the run's resident engine listens, while it runs
 
@@ -21,6 +23,8 @@ LATEST_FILE = "LATEST"
 ENGINE_FILE = "ENGINE.json"
 POLICY_STAGE = "update_actor"
 CRITIC_STAGE = "update_critic"
+ACTOR_STATE = "actor_state"
+CRITIC_STATE = "critic_state"
 INIT_ITERATION = 0
 _ITERATION_DIR = re.compile(r"^iter-(\d{6,})$")
 

@@ -22,13 +22,20 @@ class InlineRunner:
     name = "inline"
 
     def run(self, run_uri: str, iteration: int, log_path: Path, pipeline: str = "iteration") -> None:
-        from kfrl.stages import STAGES, run_stage
+        from kfrl.stages import STAGES, run_stage, update
 
+        update.write_states_in_background(True)  # the controller drains them (``close``) before it ends
         for stage in STAGES if pipeline == "iteration" else ("validate",):
             try:
                 run_stage(stage, run_uri, iteration)
             except Exception as err:
                 raise IterationFailed(f"iteration {iteration}, stage {stage}: {type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        """Finish the trainer-state writes still running in this process."""
+        from kfrl.stages import update
+
+        update.drain()
 
 
 _LOCAL_ROOT: str | None = None

@@ -20,6 +20,7 @@ manifests written either way stay readable.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import errno
@@ -28,6 +29,7 @@ import io
 import json
 import logging
 import os
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -456,6 +458,15 @@ class Store:
         files stay as garbage nobody reads). Only for repairs: readers may hold the old manifest."""
         self.delete(_join(prefix, MANIFEST_NAME))
 
+    def remove_commit(self, prefix: str) -> None:
+        """Delete a commit for good: the manifest first (no reader finds it after), then its files."""
+        manifest = self.manifest(prefix)
+        if manifest is None:
+            return
+        self.uncommit(prefix)
+        for entry in manifest.files:
+            self.delete(_join(prefix, manifest.attempt, entry["name"]))
+
     def get_file(self, rel: str, target: str | Path) -> None:
         """Copy one (uncommitted, unverified) file to a local path, streaming."""
         uri = self.url(rel)
@@ -629,6 +640,25 @@ class Attempt:
         size, digest = _hash_local_file(local_path, WRITE_DIGEST)
         self.store._retrying("upload", uri, lambda: self.store.fs.put_file(str(local_path), uri))
         self._record(name, size, digest)
+        failpoint("upload")
+
+    @contextlib.contextmanager
+    def staged_dir(self):
+        """A folder whose files become the attempt's when the block ends: on a local store the attempt's
+        own folder (written in place, no copy), on S3 a temporary folder uploaded at the end."""
+        if self.store.is_s3:
+            with tempfile.TemporaryDirectory(prefix="kfrl-stage-") as tmp:
+                yield Path(tmp)
+                self.upload_dir(tmp)
+            return
+        if self._manifest is not None:
+            raise StoreError(f"attempt {self.url} is already committed and must not change")
+        folder = Path(self.url)
+        folder.mkdir(parents=True, exist_ok=True)
+        yield folder
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            size, digest = _hash_local_file(path, WRITE_DIGEST)
+            self._record(path.relative_to(folder).as_posix(), size, digest)
         failpoint("upload")
 
     def upload_dir(self, local_dir: str | Path) -> None:

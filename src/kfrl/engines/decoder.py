@@ -9,6 +9,7 @@ checkpoint itself, so no per-family flag can disagree with the weights.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -172,11 +173,10 @@ class Decoder:
                 gate_up_weight=cat(tensor(p + "mlp.gate_proj.weight"), tensor(p + "mlp.up_proj.weight")),
                 down_weight=tensor(p + "mlp.down_proj.weight")))
         embed = tensor("model.embed_tokens.weight")
-        lm_head = tensor("lm_head.weight", required=False)
+        # Tied: one tensor, as in HF (whatever the source holds under lm_head.weight).
+        lm_head = embed if spec.tie_word_embeddings else tensor("lm_head.weight", required=False)
         if lm_head is None:
-            if not spec.tie_word_embeddings:
-                raise _unsupported("the checkpoint has no lm_head.weight and does not tie word embeddings")
-            lm_head = embed
+            raise _unsupported("the checkpoint has no lm_head.weight and does not tie word embeddings")
         inv_freq, scaling = rope_frequencies(config, spec.head_dim)
         return cls(spec, embed, blocks, tensor("model.norm.weight"), lm_head, inv_freq.to(device), scaling)
 
@@ -198,8 +198,9 @@ class Decoder:
                                 device=device, dtype=dtype)
 
     @classmethod
-    def from_hf_model(cls, model) -> "Decoder":
-        """Shares nothing with ``model`` but its values: weights are copied into the fused layout."""
+    def from_hf_model(cls, model, dtype: torch.dtype | None = None) -> "Decoder":
+        """Shares nothing with ``model`` but its values: weights are copied into the fused layout (cast to
+        ``dtype``, the model's own when None)."""
         params = dict(model.named_parameters())
         params.update(dict(model.named_buffers()))
         first = next(model.parameters())
@@ -207,7 +208,25 @@ class Decoder:
             params["lm_head.weight"] = model.get_output_embeddings().weight
         with torch.no_grad():
             return cls.from_tensors(model.config, lambda name: params[name].detach() if name in params else None,
-                                    device=first.device, dtype=first.dtype)
+                                    device=first.device, dtype=dtype or first.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every weight tensor, in a fixed order (a tied lm_head appears once, as the embedding)."""
+        found = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for block in self.blocks:
+            found += [getattr(block, f.name) for f in dataclasses.fields(block) if getattr(block, f.name) is not None]
+        return found
+
+    def load_weights_from(self, model) -> None:
+        """Copy ``model``'s current weights into this decoder's own tensors, in place: the addresses that
+        captured CUDA graphs replay stay valid, and no second copy is kept."""
+        fresh = Decoder.from_hf_model(model, dtype=self.dtype)
+        ours, theirs = self.tensors(), fresh.tensors()
+        if [t.shape for t in ours] != [t.shape for t in theirs]:
+            raise ValueError("the model's weights do not have this decoder's shapes")
+        with torch.no_grad():
+            for mine, new in zip(ours, theirs):
+                mine.copy_(new)
 
     # --- shared pieces ----------------------------------------------------------------------------
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

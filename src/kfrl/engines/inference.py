@@ -13,25 +13,57 @@ from kfrl.engines import autocast
 from kfrl.trajectory import Trajectories
 
 
-def response_logits(model, batch: Trajectories) -> torch.Tensor:
-    """Logits (B, L, V) that predict each response token."""
+# Positions whose logits are computed at once: the fp32 logits of one chunk (elements = positions x
+# vocabulary) are the largest tensor of the pass, about 1 GiB, whatever the batch. In training each
+# chunk's logits are recomputed in the backward pass instead of being kept.
+LOGIT_CHUNK_ELEMENTS = 2**28
+
+
+def response_hidden(model, batch: Trajectories) -> torch.Tensor:
+    """Final hidden states (B, L, H) at the positions that predict each response token."""
     decoder = model.get_decoder()
     hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
     index = batch.gather_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    picked = torch.gather(hidden, 1, index)
-    return model.get_output_embeddings()(picked)
+    return torch.gather(hidden, 1, index)
+
+
+def response_logits(model, batch: Trajectories) -> torch.Tensor:
+    """Logits (B, L, V) that predict each response token."""
+    return model.get_output_embeddings()(response_hidden(model, batch))
+
+
+def _token_stats(hidden, targets, head, temperature: float, with_entropy: bool, autocast_dtype):
+    """Log-probs of ``targets`` and entropies (or None) for a (N, H) chunk of hidden states."""
+    from kfrl.algos import entropy_from_logits
+
+    with autocast(hidden.device.type, autocast_dtype):
+        logits = head(hidden)
+    logits = logits.float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return log_probs, (entropy_from_logits(logits) if with_entropy else None)
 
 
 def forward_response(model, batch: Trajectories, temperature: float, with_entropy: bool,
                      autocast_dtype: torch.dtype | None = None):
-    """(log_probs (B, L), entropy (B, L) or None); differentiable when grad is enabled."""
-    from kfrl.algos import entropy_from_logits
+    """(log_probs (B, L), entropy (B, L) or None); differentiable when grad is enabled. The LM head,
+    softmax and entropy run over chunks of positions (``LOGIT_CHUNK_ELEMENTS``), so the full
+    (B, L, V) fp32 logits never exist."""
+    from torch.utils.checkpoint import checkpoint
 
     with autocast(batch.input_ids.device.type, autocast_dtype):
-        logits = response_logits(model, batch)
-    logits = logits.float() / temperature
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+        hidden = response_hidden(model, batch)
+    head = model.get_output_embeddings()
+    rows, length, width = hidden.shape
+    flat, targets = hidden.reshape(rows * length, width), batch.response_ids.reshape(-1)
+    chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+    recompute = torch.is_grad_enabled() and len(flat) > chunk
+    parts = []
+    for start in range(0, len(flat), chunk):
+        args = (flat[start:start + chunk], targets[start:start + chunk], head, temperature, with_entropy,
+                autocast_dtype)
+        parts.append(checkpoint(_token_stats, *args, use_reentrant=False) if recompute else _token_stats(*args))
+    log_probs = torch.cat([lp for lp, _ in parts]).view(rows, length)
+    entropy = torch.cat([ent for _, ent in parts]).view(rows, length) if with_entropy else None
     return log_probs, entropy
 
 

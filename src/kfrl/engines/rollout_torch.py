@@ -60,6 +60,20 @@ class _DecodeState:
     out_logprobs: torch.Tensor
 
 
+_WARMUP_STREAMS: dict = {}
+
+
+def warmup_stream(device):
+    """One side stream per device for the eager warm-up before each capture. A new stream per capture
+    would cost memory for good: cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has run
+    on, up to the 32 streams of PyTorch's pool, so resident memory would grow rollout after rollout."""
+    import torch
+
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _WARMUP_STREAMS[device]
+
+
 class TorchRollout:
     name = "torch"
 
@@ -193,13 +207,14 @@ class TorchRollout:
             else:
                 # The first step of a new shape runs eagerly on a side stream (warm-up for capture; it is a
                 # real step), then the shape is captured; capturing records kernels without running them.
-                side = torch.cuda.Stream()
+                side = warmup_stream(st.cache.device)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     step(active, length)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread_local: a trainer-state write may be copying on another thread of this process.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     step(active, length)
                 graphs[(active, length)] = graph
                 self.stats["graphs_captured"] += 1

@@ -86,14 +86,38 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype | None = None, device: s
     return model.to(device)
 
 
-def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
-    """Save model (safetensors), its generation config and the tokenizer into out_dir."""
+def tensor_identity(t: torch.Tensor) -> tuple:
+    """Equal for two tensors that are views of the same memory with the same layout (tied weights:
+    ``state_dict()`` returns a new tensor object per name, so ``id`` cannot tell)."""
+    return (t.device.type, t.device.index, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
+            dtype: torch.dtype | None = None) -> Path:
+    """Save model (safetensors, cast to ``dtype`` when given: the model itself is left as it is), its
+    generation config and the tokenizer (when given) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    # The chat template goes into tokenizer_config.json (not only chat_template.jinja)
-    # so that older transformers releases, as used by some inference images, find it too.
-    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    if dtype is None or dtype == next(model.parameters()).dtype:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        cast: dict[tuple, torch.Tensor] = {}
+        state = {}
+        for name, t in model.state_dict().items():
+            key = tensor_identity(t)  # tied weights (embedding = LM head) stay one tensor, saved once
+            if key not in cast:
+                cast[key] = t.detach().to(dtype) if t.is_floating_point() else t
+            state[name] = cast[key]
+        saved_dtype = model.config.dtype
+        model.config.dtype = dtype  # config.json says what the file holds
+        try:
+            model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
+        finally:
+            model.config.dtype = saved_dtype
+    if tokenizer is not None:
+        # The chat template goes into tokenizer_config.json (not only chat_template.jinja)
+        # so that older transformers releases, as used by some inference images, find it too.
+        tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     return out_dir
 
 

@@ -126,13 +126,16 @@ class StageContext:
         """The critic after ``weights_iteration`` iterations (0 = its initialisation)."""
         return self.checkpoint_manifest(CRITIC_STAGE, weights_iteration)
 
-    def checkpoint_dir(self, manifest: Manifest, *, training_state: bool = False) -> Path:
+    def checkpoint_dir(self, manifest: Manifest, *, training_state: bool = False, weights: bool = True) -> Path:
         """A local folder holding a committed checkpoint: a local store's own folder (checked, not
         copied), else a download into the machine's cache that keeps, per run and stage, the initial
-        and the newest checkpoint only. ``training_state``: with the optimizer and trainer state."""
+        and the newest checkpoint only. ``training_state``: with the optimizer and trainer state (a
+        checkpoint written before the two kinds were split). ``weights=False``: config, generation
+        config and tokenizer only (what a stage needs beside weights it already holds in memory)."""
         if manifest.info.get("init_from") == "policy":
             # A critic initialised from the actor's initial weights (the value head is added on load).
-            return self.checkpoint_dir(self.policy_manifest(INIT_ITERATION), training_state=training_state)
+            return self.checkpoint_dir(self.policy_manifest(INIT_ITERATION), training_state=training_state,
+                                       weights=weights)
         source = manifest.info.get("source")
         if source and not manifest.files:
             # The initial model was referenced in place (an HF directory in a store), not copied.
@@ -153,11 +156,14 @@ class StageContext:
                     shutil.rmtree(tmp, ignore_errors=True)
             return local
         names = None if training_state else [n for n in manifest.names() if n not in TRAINING_STATE_FILES]
+        if not weights:
+            names = [n for n in (names or manifest.names()) if not _is_weights_file(n)]
         if not self.store.is_s3:
             return self.store.committed_dir(manifest, names=names)
         slot, iteration = _checkpoint_slot(self.store.url(manifest.prefix), manifest.prefix)
         root = cache_dir() / "checkpoints"
-        local = self.store.download(manifest, root / f"{slot}-{iteration:06d}-{manifest.attempt}", names=names)
+        folder = f"{slot}-{iteration:06d}-{manifest.attempt}" + ("" if weights else "-meta")
+        local = self.store.download(manifest, root / folder, names=names)
         prune_checkpoint_cache(root, slot, iteration)
         return local
 
@@ -165,11 +171,11 @@ class StageContext:
         from kfrl.models.hf_io import load_tokenizer
 
         quiet_transformers()
-        local = self.checkpoint_dir(manifest)
         # Tokenizer files are the same in every checkpoint of a run: key by their content.
         key = tuple(sorted((f["name"], entry_digest(f)) for f in manifest.files if _is_tokenizer_file(f["name"]))) \
-            or (str(local),)
-        return _cached_in(_TOKENIZER_CACHE, key, lambda: load_tokenizer(local), TOKENIZER_CACHE_SIZE)
+            or (self.store.url(manifest.prefix), manifest.attempt)
+        return _cached_in(_TOKENIZER_CACHE, key, lambda: load_tokenizer(self.checkpoint_dir(manifest, weights=False)),
+                          TOKENIZER_CACHE_SIZE)
 
     def load_model(self, manifest: Manifest, *, for_training: bool = False):
         """Inference: compute dtype (bf16 on CUDA). Training: fp32 master weights (autocast does bf16)."""
@@ -178,12 +184,12 @@ class StageContext:
         from kfrl.models.hf_io import load_causal_lm
 
         quiet_transformers()
-        local = self.checkpoint_dir(manifest)
         if for_training:
-            return load_causal_lm(local, dtype=torch.float32, device=self.device)
-        return _cached(("policy", str(local), str(self.compute_dtype), self.device),
-                       lambda: load_causal_lm(local, dtype=self.compute_dtype, device=self.device).eval(),
-                       slot=self._slot("policy", manifest))
+            return load_causal_lm(self.checkpoint_dir(manifest), dtype=torch.float32, device=self.device)
+        return _cached(self._model_key("policy", manifest.prefix, manifest.attempt),
+                       lambda: load_causal_lm(self.checkpoint_dir(manifest), dtype=self.compute_dtype,
+                                              device=self.device).eval(),
+                       slot=self._slot("policy", manifest.prefix))
 
     def rollout_engine(self, manifest: Manifest, *, micro_batch_size: int | None = None):
         """The configured rollout backend (``kfrl.engines.rollout``) holding ``manifest``'s weights;
@@ -191,7 +197,8 @@ class StageContext:
         from kfrl.engines.rollout import checkpoint_eos_ids, pad_token_id, resolve_backend
 
         cfg = self.config.rollout
-        local = self.checkpoint_dir(manifest)
+        # No weights read here: the backend's model may be in memory already (handed off by the update).
+        local = self.checkpoint_dir(manifest, weights=False)
         backend = resolve_backend(cfg.name, self.device, local)
         tokenizer = self.load_tokenizer(manifest)
         micro = cfg.micro_batch_size if micro_batch_size is None else micro_batch_size
@@ -206,16 +213,17 @@ class StageContext:
             from kfrl.engines.rollout_vllm import vllm_engine
 
             data = self.config.data
-            return vllm_engine(local, eos, dtype="bfloat16" if self.device == "cuda" else "float32",
+            return vllm_engine(self.checkpoint_dir(manifest), eos, dtype="bfloat16" if self.device == "cuda" else "float32",
                                gpu_memory_utilization=cfg.gpu_memory_utilization, seed=self.config.trainer.seed,
                                max_model_len=data.max_prompt_length + data.max_response_length,
                                enforce_eager=cfg.enforce_eager)
         from kfrl.engines.decoder import Decoder
         from kfrl.engines.rollout_torch import TorchRollout
 
-        decoder = _cached(("decoder", str(local), str(self.compute_dtype), self.device),
-                          lambda: Decoder.from_pretrained(local, device=self.device, dtype=self.compute_dtype),
-                          slot=self._slot("decoder", manifest))
+        decoder = _cached(self._model_key("decoder", manifest.prefix, manifest.attempt),
+                          lambda: Decoder.from_pretrained(self.checkpoint_dir(manifest), device=self.device,
+                                                          dtype=self.compute_dtype),
+                          slot=self._slot("decoder", manifest.prefix))
         return TorchRollout(decoder, eos, pad_token_id(tokenizer, eos), micro_batch_size=micro,
                             use_cuda_graphs=not cfg.enforce_eager)
 
@@ -226,14 +234,14 @@ class StageContext:
         from kfrl.models.hf_io import load_value_model
 
         quiet_transformers()
-        local = self.checkpoint_dir(manifest)
         seed = self.config.trainer.seed
         if for_training:
-            return load_value_model(local, dtype=torch.float32, device=self.device, head_seed=seed)
-        return _cached(("critic", str(local), str(self.compute_dtype), self.device),
-                       lambda: load_value_model(local, dtype=self.compute_dtype, device=self.device,
-                                                head_seed=seed).eval(),
-                       slot=self._slot("critic", manifest))
+            return load_value_model(self.checkpoint_dir(manifest), dtype=torch.float32, device=self.device,
+                                    head_seed=seed)
+        return _cached(self._model_key("critic", manifest.prefix, manifest.attempt),
+                       lambda: load_value_model(self.checkpoint_dir(manifest), dtype=self.compute_dtype,
+                                                device=self.device, head_seed=seed).eval(),
+                       slot=self._slot("critic", manifest.prefix))
 
     def rewards(self, tokenizer):
         """The run's reward (``kfrl.rewards.manager.Rewards``); a reward model comes from the model cache."""
@@ -253,9 +261,70 @@ class StageContext:
                         slot=("reward",))
         return model, _cached_in(_TOKENIZER_CACHE, (path,), lambda: load_tokenizer(path), TOKENIZER_CACHE_SIZE)
 
-    def _slot(self, kind: str, manifest: Manifest) -> tuple:
-        slot, iteration = _checkpoint_slot(self.store.url(manifest.prefix), manifest.prefix)
+    def hand_off(self, kinds: tuple[str, ...], prefix: str, attempt: str, model) -> list[str]:
+        """Give an update's new weights (``model``, the training copy) to this process's inference copies
+        of ``kinds`` (policy, decoder, critic), filed under the new commit (``prefix``, ``attempt``), so
+        the next stages find them without reading the store. The copy of the previous weights is
+        overwritten in place (one inference copy per kind, whatever the iteration); the first update
+        of a run builds it (the initial weights stay: they are the reference). Returns the kinds given."""
+        import torch
+
+        given = []
+        for kind in kinds:
+            slot = self._slot(kind, prefix)
+            init_slot = slot[:2] + (True,)
+            current = _MODEL_SLOTS.get(slot)
+            with torch.no_grad():
+                if current is not None and current in _MODEL_CACHE:
+                    copy = _MODEL_CACHE.pop(current)
+                    _load_into(kind, copy, model)
+                elif _MODEL_SLOTS.get(init_slot) in _MODEL_CACHE:
+                    if kind == "policy" and self.config.use_ref:  # the initial policy is the reference
+                        copy = _inference_copy(kind, model, self.compute_dtype)
+                    else:  # the initial weights are not read again: their copy takes the new ones
+                        copy = _MODEL_CACHE.pop(_MODEL_SLOTS.pop(init_slot))
+                        _load_into(kind, copy, model)
+                else:
+                    continue  # this process has not used weights of this kind: nothing to keep current
+            _cached(self._model_key(kind, prefix, attempt), lambda: copy, slot=slot)
+            given.append(kind)
+        return given
+
+    def _model_key(self, kind: str, prefix: str, attempt: str) -> tuple:
+        """A cached model's key: the commit it holds (not a local path, which may need a download)."""
+        return (kind, self.store.url(prefix), attempt, str(self.compute_dtype), self.device)
+
+    def _slot(self, kind: str, prefix: str) -> tuple:
+        slot, iteration = _checkpoint_slot(self.store.url(prefix), prefix)
         return (kind, slot, iteration == INIT_ITERATION)
+
+
+def _load_into(kind: str, copy, model) -> None:
+    """Overwrite an inference copy's weights with a training model's, in place (cast to its dtype)."""
+    if kind == "decoder":
+        copy.load_weights_from(model)
+    else:
+        copy.load_state_dict(model.state_dict())
+
+
+def _inference_copy(kind: str, model, dtype):
+    """A new inference copy of a training model in ``dtype``, built as loading it from a checkpoint
+    would build it (buffers such as rotary frequencies computed, not cast), then given its weights."""
+    import torch
+
+    if kind == "decoder":
+        from kfrl.engines.decoder import Decoder
+
+        return Decoder.from_hf_model(model, dtype=dtype)
+    device = next(model.parameters()).device
+    with torch.device(device):
+        copy = type(model)._from_config(model.config, dtype=dtype)
+    copy.load_state_dict(model.state_dict())
+    return copy.eval().requires_grad_(False)
+
+
+def _is_weights_file(name: str) -> bool:
+    return name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt"))
 
 
 def _is_tokenizer_file(name: str) -> bool:

@@ -1,113 +1,172 @@
-"""Stages ``update_actor`` and ``update_critic``: each loads its weights and optimizer state from the
-previous iteration's checkpoint, runs its update, and commits the next checkpoint (HF layout +
-optimizer state + trainer state)."""
+"""Stages ``update_actor`` and ``update_critic``: one optimisation step of a role, committed as two
+checkpoint kinds.
+
+- **Weights** (``iter-N/update_actor``, ``iter-N/update_critic``): an HF directory in the inference
+  dtype (bf16 on CUDA) with the tokenizer. It is the lineage, the MLflow model version's source and
+  what a rollout or log-prob stage in another process loads. The stage returns once it is committed.
+- **Trainer state** (``iter-N/actor_state``, ``iter-N/critic_state``): fp32 master weights (HF
+  layout), ``optimizer.pt`` and ``trainer_state.json``. Only the next update (in a process that does
+  not hold the training copy) and a resume read it. In a resident engine or the inline runner it is
+  written by a background thread while the next iteration proceeds; the next update waits for it
+  before touching the training copy. The last ``trainer.keep_trainer_states`` iterations' states and
+  those at every ``trainer.save_freq``-th iteration are kept, older ones deleted.
+
+A state that never got committed (the process was killed while writing it) is rebuilt when an update
+needs it: that iteration's update is redone from the state before it and the iteration's committed
+batch, and only the state is committed (the weights and everything downstream stand). Data order and
+sampling come from seeds derived per stage and iteration, so there is no RNG state or data cursor
+to keep beyond the optimizer's step count.
+"""
 from __future__ import annotations
 
 import json
-import tempfile
+import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from kfrl.faults import failpoint
+from kfrl.run import ACTOR_STATE, CRITIC_STAGE, CRITIC_STATE, INIT_ITERATION, POLICY_STAGE, stage_prefix
 from kfrl.stages.context import StageContext
 
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
 
-# The training copy (fp32 model + optimizer) each update leaves in this process, per role: a resident
-# engine or the inline runner reuses it for the next update when it holds exactly the checkpoint that
-# update starts from (same commit), instead of reading the weights and optimizer state back from the
-# store. One per role, so memory does not grow; a failed update leaves none (it may be half-updated).
-_RESIDENT_TRAINERS: dict[str, tuple[str, object, object]] = {}
+
+@dataclass(frozen=True)
+class Role:
+    name: str                     # actor | critic
+    stage: str                    # the stage that commits its weights
+    state: str                    # the stage-like prefix its trainer state is committed under
+    inference_kinds: tuple        # this process's inference copies the new weights are handed to
+
+
+ROLES = {
+    "actor": Role("actor", POLICY_STAGE, ACTOR_STATE, ("policy", "decoder")),
+    "critic": Role("critic", CRITIC_STAGE, CRITIC_STATE, ("critic",)),
+}
+
+# The training copy (fp32 model + optimizer) each update leaves in this process, per role, filed
+# under the weights commit it produced: the next update reuses it when it starts from exactly that
+# commit. One per role, so memory does not grow; a failed update leaves none (it may be half-updated).
+_RESIDENT_TRAINERS: dict[str, tuple[str, object, object, int]] = {}
+# Trainer-state writes still running, per role (background mode only).
+_PENDING: dict[str, "_StateWrite"] = {}
+_BACKGROUND = {"enabled": False}
+
+
+def write_states_in_background(enabled: bool = True) -> None:
+    """For a process that outlives its stages (the resident engine, the inline runner): trainer
+    state is written by a thread, off the critical path. Call ``drain()`` before the process ends."""
+    _BACKGROUND["enabled"] = enabled
+
+
+def drain() -> None:
+    """Wait for every trainer-state write still running (a failure is reported, not raised: the state
+    is rebuilt by the update that needs it)."""
+    for role in list(_PENDING):
+        _PENDING.pop(role).wait()
 
 
 def make_optimizer(model, optim_cfg):
     import torch
 
+    # The fused CUDA kernel updates all parameters in a few launches instead of several per tensor.
+    fused = next(model.parameters()).device.type == "cuda"
     return torch.optim.AdamW(model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                             weight_decay=optim_cfg.weight_decay)
-
-
-def load_optimizer(ctx: StageContext, optimizer, checkpoint: Path) -> None:
-    import torch
-
-    if (checkpoint / OPTIMIZER_FILE).exists():
-        optimizer.load_state_dict(torch.load(checkpoint / OPTIMIZER_FILE, map_location=ctx.device, weights_only=True))
+                             weight_decay=optim_cfg.weight_decay, fused=fused or None)
 
 
 def _commit_key(ctx: StageContext, prefix: str, attempt: str) -> str:
     return f"{ctx.store.url(prefix)}#{attempt}"
 
 
-def trainer(ctx: StageContext, role: str, previous, load_model, optim_cfg, attempt):
-    """(model, optimizer) holding checkpoint ``previous``: the resident copy when it is that commit,
-    else loaded from the store. The manifest records which (``trainer_from``: memory | store)."""
-    held = _RESIDENT_TRAINERS.pop(role, None)
+# --- loading the training copy -------------------------------------------------------------------
+def trainer(ctx: StageContext, role: Role, optim_cfg, attempt):
+    """(model, optimizer, optimizer steps so far) holding the weights after iteration N-1: the resident
+    copy when it is that commit, else the committed trainer state (rebuilt if it is missing). The
+    manifest records which (``trainer_from``: memory | store | rebuilt)."""
+    previous = ctx.checkpoint_manifest(role.stage, ctx.iteration - 1)
+    _wait_for_state(role.name)  # the held copy must not change under a snapshot still reading it
+    held = _RESIDENT_TRAINERS.pop(role.name, None)
     if held is not None and held[0] == _commit_key(ctx, previous.prefix, previous.attempt):
         attempt.info["trainer_from"] = "memory"
-        return held[1], held[2]
+        return held[1], held[2], held[3]
     del held  # a stale copy is freed before the new one is loaded
-    model = load_model()
-    optimizer = make_optimizer(model, optim_cfg)
-    load_optimizer(ctx, optimizer, ctx.checkpoint_dir(previous, training_state=True))
-    attempt.info["trainer_from"] = "store"
-    return model, optimizer
+    model, optimizer, steps, source = load_trainer_state(ctx, role, optim_cfg, previous)
+    attempt.info["trainer_from"] = source
+    return model, optimizer, steps
 
 
-def keep_trainer(ctx: StageContext, role: str, attempt, model, optimizer) -> None:
-    """Keep the updated copy for the next update; it is used only if ``attempt`` is what got committed."""
-    _RESIDENT_TRAINERS[role] = (_commit_key(ctx, attempt.prefix, attempt.attempt), model, optimizer)
-
-
-def save_checkpoint(ctx: StageContext, attempt, model, tokenizer, optimizer, state: dict) -> float:
-    """Writes the checkpoint into the attempt; returns the seconds it took."""
+def load_trainer_state(ctx: StageContext, role: Role, optim_cfg, weights):
+    """(model, optimizer, steps, "store" | "rebuilt") for the committed ``weights`` of ``role``."""
     import torch
 
-    from kfrl.models.hf_io import save_hf
+    written_at = _iteration_of(weights)
+    if written_at == INIT_ITERATION:  # the initial weights: a fresh optimizer
+        model = _load_training_model(ctx, role, weights)
+        return model, make_optimizer(model, optim_cfg), 0, "store"
+    if OPTIMIZER_FILE in weights.names():  # a checkpoint written before weights and state were split
+        local = ctx.checkpoint_dir(weights, training_state=True)
+        model = _load_training_model(ctx, role, weights)
+        optimizer = make_optimizer(model, optim_cfg)
+        optimizer.load_state_dict(torch.load(local / OPTIMIZER_FILE, map_location=ctx.device, weights_only=True))
+        return model, optimizer, _steps_in(local / TRAINER_STATE_FILE), "store"
+    state = ctx.run.manifest(role.state, written_at)
+    if state is None or state.info.get("weights_attempt") != weights.attempt:
+        model, optimizer, steps = rebuild_trainer_state(ctx, role, optim_cfg, written_at)
+        return model, optimizer, steps, "rebuilt"
+    local = ctx.checkpoint_dir(state, training_state=True)
+    model = _load_training_model(ctx, role, state)
+    optimizer = make_optimizer(model, optim_cfg)
+    optimizer.load_state_dict(torch.load(local / OPTIMIZER_FILE, map_location=ctx.device, weights_only=True))
+    return model, optimizer, _steps_in(local / TRAINER_STATE_FILE), "store"
 
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kfrl-ckpt-") as tmp:
-        out = Path(tmp)
-        save_hf(model, tokenizer, out)
-        torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
-        (out / TRAINER_STATE_FILE).write_text(json.dumps({"iteration": ctx.iteration, **state}))
-        attempt.upload_dir(out)
-    return time.perf_counter() - started
+
+def _load_training_model(ctx: StageContext, role: Role, manifest):
+    return (ctx.load_model if role.name == "actor" else ctx.load_critic)(manifest, for_training=True)
 
 
-def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:
+def rebuild_trainer_state(ctx: StageContext, role: Role, optim_cfg, iteration: int):
+    """Redo the update of ``iteration`` from the trainer state before it and that iteration's committed
+    inputs, commit only its trainer state, and return (model, optimizer, steps)."""
+    from kfrl.stages import SPECS
+
+    print(f"[kfrl] the trainer state after iteration {iteration} ({role.state}) was not committed (the process "
+          f"stopped while writing it): redoing that {role.stage} from the state before it", file=sys.stderr, flush=True)
+    past = StageContext(run_uri=ctx.run_uri, iteration=iteration, run=ctx.run, config=ctx.config)
+    previous = past.checkpoint_manifest(role.stage, iteration - 1)
+    model, optimizer, steps, _ = load_trainer_state(past, role, optim_cfg, previous)
+    table = past.read_groups(*SPECS[role.stage].reads)
+    _metrics, steps = TRAIN_STEP[role.name](past, table, model, optimizer, steps)
+    weights = past.checkpoint_manifest(role.stage, iteration)
+    _write_state(past, role, weights.attempt, model, optimizer, steps)
+    return model, optimizer, steps
+
+
+# --- one update ----------------------------------------------------------------------------------
+def _actor_step(ctx: StageContext, table, model, optimizer, steps: int) -> tuple[dict, int]:
     from kfrl.engines.actor import update_actor as run_update
     from kfrl.trajectory import Trajectories
 
     cfg = ctx.config
-    previous = ctx.policy_manifest(ctx.iteration - 1)
-    tokenizer = ctx.load_tokenizer(previous)
-    model, optimizer = trainer(ctx, "actor", previous, lambda: ctx.load_model(previous, for_training=True), cfg.actor,
-                               attempt)
-
+    tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
     # Without old log-probs (the on-policy shortcut) the update uses its own; the reference only for a KL loss.
     fields = ("advantages", "old_logprobs") + (("ref_logprobs",) if cfg.actor.use_kl_loss else ())
     trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0, fields=fields)
     metrics = run_update(model, optimizer, trajectories, cfg.actor, mini_batch_size=cfg.mini_batch_trajectories,
                          temperature=cfg.rollout.temperature, autocast_dtype=ctx.compute_dtype,
                          seed=ctx.seed("update_actor"), sample_ids=table.column("sample_id").to_pylist())
-    metrics["timing_s/save_checkpoint"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {
-        "policy_version": ctx.iteration,
-        "optimizer_steps": _steps_before(ctx, previous) + cfg.n_mini_batches * cfg.actor.ppo_epochs,
-    })
-    keep_trainer(ctx, "actor", attempt, model, optimizer)
-    return None, metrics
+    return metrics, steps + cfg.n_mini_batches * cfg.actor.ppo_epochs
 
 
-def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:
+def _critic_step(ctx: StageContext, table, model, optimizer, steps: int) -> tuple[dict, int]:
     from kfrl.engines.critic import update_critic as run_update
     from kfrl.trajectory import Trajectories
 
     cfg = ctx.config
-    previous = ctx.critic_manifest(ctx.iteration - 1)
-    tokenizer = ctx.load_tokenizer(ctx.policy_manifest(0))
-    model, optimizer = trainer(ctx, "critic", previous, lambda: ctx.load_critic(previous, for_training=True),
-                               cfg.critic, attempt)
-
+    tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
     trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0, fields=("values", "returns"))
     metrics = run_update(model, optimizer, trajectories, mini_batch_size=cfg.critic_mini_batch_size * cfg.rollout.n,
                          micro_batch_size=cfg.critic.ppo_micro_batch_size_per_gpu, epochs=cfg.critic_ppo_epochs,
@@ -115,15 +174,202 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
                          cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic_loss_agg_mode,
                          autocast_dtype=ctx.compute_dtype,
                          seed=ctx.seed("update_critic"), sample_ids=table.column("sample_id").to_pylist())
-    n_steps = (cfg.data.train_batch_size // cfg.critic_mini_batch_size) * cfg.critic_ppo_epochs
-    metrics["timing_s/save_checkpoint_critic"] = save_checkpoint(ctx, attempt, model, tokenizer, optimizer, {
-        "optimizer_steps": _steps_before(ctx, previous) + n_steps})
-    keep_trainer(ctx, "critic", attempt, model, optimizer)
-    return None, metrics
+    return metrics, steps + (cfg.data.train_batch_size // cfg.critic_mini_batch_size) * cfg.critic_ppo_epochs
 
 
-def _steps_before(ctx: StageContext, manifest) -> int:
-    """Optimizer steps recorded in a committed checkpoint (0 for an initial model)."""
-    if TRAINER_STATE_FILE not in manifest.names():
-        return 0
-    return int(json.loads(ctx.store.read_file(manifest, TRAINER_STATE_FILE)).get("optimizer_steps", 0))
+TRAIN_STEP = {"actor": _actor_step, "critic": _critic_step}
+_TIMING_SUFFIX = {"actor": "", "critic": "_critic"}
+
+
+def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str, float]:
+    """Load (or reuse) the training copy, step it, commit the weights, hand them to this process's
+    inference copies, and write the trainer state (in the background where the process lives on)."""
+    model, optimizer, steps = trainer(ctx, role, optim_cfg, attempt)
+    metrics, steps = TRAIN_STEP[role.name](ctx, table, model, optimizer, steps)
+    suffix = _TIMING_SUFFIX[role.name]
+    started = time.perf_counter()
+    tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
+    save_weights(ctx, attempt, model, tokenizer)
+    attempt.info["optimizer_steps"] = steps
+    if role.name == "actor":
+        attempt.info["policy_version"] = ctx.iteration
+    metrics[f"timing_s/save_checkpoint{suffix}"] = time.perf_counter() - started
+    started = time.perf_counter()
+    ctx.hand_off(role.inference_kinds, attempt.prefix, attempt.attempt, model)
+    metrics[f"timing_s/hand_off{suffix}"] = time.perf_counter() - started
+    _RESIDENT_TRAINERS[role.name] = (_commit_key(ctx, attempt.prefix, attempt.attempt), model, optimizer, steps)
+    started = time.perf_counter()
+    if _BACKGROUND["enabled"]:
+        _PENDING[role.name] = _StateWrite(ctx, role, attempt.attempt, model, optimizer, steps,
+                                          previous=_PENDING.get(role.name)).start()
+    else:
+        _write_state(ctx, role, attempt.attempt, model, optimizer, steps)
+    metrics[f"timing_s/save_trainer_state{suffix}"] = time.perf_counter() - started
+    return metrics
+
+
+def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:
+    return None, update(ctx, ROLES["actor"], ctx.config.actor, table, attempt)
+
+
+def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:
+    return None, update(ctx, ROLES["critic"], ctx.config.critic, table, attempt)
+
+
+# --- writing the two kinds -----------------------------------------------------------------------
+def save_weights(ctx: StageContext, attempt, model, tokenizer) -> None:
+    """The weights commit's files: the HF directory in the inference dtype, plus the tokenizer."""
+    from kfrl.models.hf_io import save_hf
+
+    with attempt.staged_dir() as folder:
+        save_hf(model, tokenizer, folder, dtype=ctx.compute_dtype)
+
+
+def snapshot(model, optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state) copied off the accelerator: what a trainer-state write needs, so
+    the training copy may change while the files are written. Tied tensors stay one tensor."""
+    import torch
+
+    from kfrl.models.hf_io import tensor_identity
+
+    memo: dict[tuple, object] = {}
+
+    def off(value):
+        if isinstance(value, torch.Tensor):
+            key = tensor_identity(value)
+            if key not in memo:
+                memo[key] = value.detach().to("cpu", copy=True)
+            return memo[key]
+        if isinstance(value, dict):
+            return {key: off(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(off(item) for item in value)
+        return value
+
+    return off(model.state_dict()), off(optimizer.state_dict())
+
+
+def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, optimizer, steps: int,
+                 states: tuple[dict, dict] | None = None) -> None:
+    """Commit the trainer state of this iteration's update (from ``states``, a ``snapshot``, when given),
+    then apply retention."""
+    import torch
+
+    model_state, optimizer_state = states or (model.state_dict(), optimizer.state_dict())
+    state = ctx.store.open_attempt(stage_prefix(ctx.iteration, role.state))
+    with state.staged_dir() as folder:
+        model.save_pretrained(folder, safe_serialization=True, state_dict=model_state)
+        torch.save(optimizer_state, folder / OPTIMIZER_FILE)
+        (folder / TRAINER_STATE_FILE).write_text(json.dumps({"iteration": ctx.iteration, "optimizer_steps": steps}))
+        failpoint("trainer_state")
+    state.commit(info={"iteration": ctx.iteration, "weights_attempt": weights_attempt, "optimizer_steps": steps})
+    apply_retention(ctx, role)
+
+
+def apply_retention(ctx: StageContext, role: Role) -> list[int]:
+    """Delete trainer states that fell out of the window: older than the last ``keep_trainer_states``
+    iterations and not at a ``save_freq`` multiple. Returns the iterations deleted."""
+    trainer_cfg = ctx.config.trainer
+    keep, save = trainer_cfg.keep_trainer_states, trainer_cfg.save_freq
+    if keep <= 0:
+        return []
+    deleted = []
+    # The two iterations that just left the window (the second mops up after a process killed mid-delete).
+    for iteration in (ctx.iteration - keep, ctx.iteration - keep - 1):
+        if iteration <= INIT_ITERATION or (save > 0 and iteration % save == 0):
+            continue
+        prefix = stage_prefix(iteration, role.state)
+        if ctx.store.is_committed(prefix):
+            ctx.store.remove_commit(prefix)
+            deleted.append(iteration)
+    return deleted
+
+
+class _StateWrite:
+    """A trainer-state write on a thread, in two steps: a snapshot of the training copy into host memory
+    (on CUDA on its own stream, after the update's last kernel, so the next stages' kernels are not
+    queued behind it), then the files. The next update waits for the snapshot only; the files are
+    written while it runs. A write waits for the one before it of the same role (writes never pile up)."""
+
+    def __init__(self, ctx, role, weights_attempt, model, optimizer, steps, previous: "_StateWrite | None"):
+        self.args = (ctx, role, weights_attempt, model, optimizer, steps)
+        self.previous = previous
+        self.error: BaseException | None = None
+        self.snapshotted = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"kfrl-{role.state}", daemon=True)
+        self.ready = None
+
+    def start(self) -> "_StateWrite":
+        import torch
+
+        if next(self.args[3].parameters()).device.type == "cuda":
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        import contextlib
+
+        import torch
+
+        ctx, role, weights_attempt, model, optimizer, steps = self.args
+        try:
+            if self.previous is not None:
+                self.previous.thread.join()
+                self.previous = None
+            stream = None
+            if self.ready is not None:
+                stream = _copy_stream()
+                stream.wait_event(self.ready)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                states = snapshot(model, optimizer)
+                if stream is not None:
+                    stream.synchronize()
+            self.snapshotted.set()
+            _write_state(ctx, role, weights_attempt, model, optimizer, steps, states=states)
+        except BaseException as err:  # noqa: BLE001 - reported by wait/drain; a resume rebuilds the state
+            self.error = err
+        finally:
+            self.snapshotted.set()
+
+    def wait_for_snapshot(self) -> None:
+        self.snapshotted.wait()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            ctx, role = self.args[:2]
+            print(f"[kfrl] writing the trainer state of iteration {ctx.iteration} ({role.state}) in the background "
+                  f"failed ({type(self.error).__name__}: {self.error}); an update that needs it will redo "
+                  f"iteration {ctx.iteration}'s update to rebuild it", file=sys.stderr, flush=True)
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream():
+    """The process's one stream for trainer-state snapshots (a new stream each time would leave a cuBLAS
+    workspace behind per stream; see ``kfrl.engines.rollout_torch.warmup_stream``)."""
+    import torch
+
+    device = torch.cuda.current_device()
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _COPY_STREAMS[device]
+
+
+def _wait_for_state(role_name: str) -> None:
+    """Until the pending write of ``role_name`` no longer reads the training copy."""
+    pending = _PENDING.get(role_name)
+    if pending is not None:
+        pending.wait_for_snapshot()
+
+
+def _iteration_of(manifest) -> int:
+    """The iteration a checkpoint commit belongs to (``iter-000003/update_actor`` → 3)."""
+    return int(manifest.prefix.split("/", 1)[0].removeprefix("iter-"))
+
+
+def _steps_in(path: Path) -> int:
+    return int(json.loads(path.read_text()).get("optimizer_steps", 0)) if path.is_file() else 0

@@ -1,0 +1,144 @@
+"""The two checkpoint kinds: every iteration commits the policy weights (inference dtype, what other
+processes load); the trainer state (fp32 weights + optimizer) is its own commit, written off the
+critical path where the process lives on, retained for the last few iterations, and rebuilt exactly
+when a kill lost it. Inside one process the update hands its weights to the inference copies, with
+the same results as loading them from the store."""
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import load_file
+
+from kfrl import stages
+from kfrl.config import load_config
+from kfrl.controller import train
+from kfrl.run import Run
+from kfrl.stages import STAGES, context, update
+
+# The demo's model and task, small: it learns from the first iteration (non-zero advantages), so
+# weights that were not handed over or restored would show in the next rollout.
+SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=16",
+         "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_generations=0", "trainer.val_before_train=false",
+         "pipeline.runner=inline", "trainer.test_freq=1", "data.builtin_val_size=8"]
+
+
+def config(root: Path, *extra):
+    return load_config(Path("configs/demo.yaml"), SMALL + [f"store.uri={root / 'store'}",
+                                                           f"tracking.uri=sqlite:///{root}/m.db", *extra])
+
+
+def forget_process_state() -> None:
+    """What a new process starts with: no training copy, no loaded models."""
+    update.drain()
+    update._RESIDENT_TRAINERS.clear()
+    context._MODEL_CACHE.clear()
+    context._MODEL_SLOTS.clear()
+
+
+def policy_weights(run: Run, iteration: int) -> dict[str, torch.Tensor]:
+    return load_file(run.store.committed_dir(run.manifest("update_actor", iteration)) / "model.safetensors")
+
+
+def committed_tables(run: Run, iterations) -> dict[tuple, object]:
+    tables = {}
+    for iteration in iterations:
+        for stage in STAGES:
+            manifest = run.manifest(stage, iteration)
+            for name in manifest.names():
+                if name.endswith(".parquet"):
+                    tables[(iteration, stage, name)] = pq.read_table(
+                        Path(run.store.url(f"{manifest.prefix}/{manifest.attempt}/{name}")))
+    return tables
+
+
+def test_weights_every_iteration_trainer_state_kept_for_the_window_and_at_save_freq(tmp_path):
+    forget_process_state()
+    summary = train(config(tmp_path, "trainer.save_freq=2", "trainer.keep_trainer_states=1"), run_id="k",
+                    iterations=5)
+    run = Run.at(summary.run_uri)
+    assert any(run.manifest("update_actor", i).metrics["actor/grad_norm"] > 0 for i in range(1, 6))  # it learns
+    for iteration in range(1, 6):
+        weights = run.manifest("update_actor", iteration)
+        assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(weights.names())
+        assert not {"optimizer.pt", "trainer_state.json"} & set(weights.names())
+        assert weights.info["optimizer_steps"] == iteration  # one mini-batch, one epoch per iteration
+    # The last iteration's state (the window of 1) and those at save_freq multiples; 1 and 3 deleted.
+    assert [i for i in range(1, 6) if run.is_committed("actor_state", i)] == [2, 4, 5]
+    assert not list((Path(run.uri) / "iter-000001" / "actor_state").rglob("optimizer.pt"))  # files gone too
+    state = run.manifest("actor_state", 5)
+    assert state.info["weights_attempt"] == run.manifest("update_actor", 5).attempt
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(state.names())
+    # The inline runner's process kept the training copy: updates 2..5 never read the store.
+    assert [run.manifest("update_actor", i).info["trainer_from"] for i in range(1, 6)] == \
+        ["store"] + ["memory"] * 4
+
+
+def test_handing_weights_off_in_memory_commits_what_loading_them_from_the_store_commits(tmp_path, monkeypatch):
+    forget_process_state()
+    handed = train(config(tmp_path / "a"), run_id="a", iterations=3)
+    # The inference copies this process holds are the newest commit's, with its weights.
+    run = Run.at(handed.run_uri)
+    newest = run.manifest("update_actor", 3)
+    held = [key for key in context._MODEL_CACHE if key[1] == run.store.url(newest.prefix)]
+    assert held and all(key[2] == newest.attempt for key in held)
+    policy = next((context._MODEL_CACHE[key] for key in held if key[0] == "policy"), None)
+    if policy is not None:
+        stored = policy_weights(run, 3)
+        assert all(torch.equal(stored[name], value) for name, value in policy.state_dict().items() if name in stored)
+
+    original = stages.run_stage
+
+    def stage_in_a_fresh_process(*args):
+        result = original(*args)
+        forget_process_state()  # every stage loads its inputs and weights from the store
+        return result
+
+    monkeypatch.setattr(stages, "run_stage", stage_in_a_fresh_process)
+    loaded = train(config(tmp_path / "b"), run_id="b", iterations=3)
+    loaded_run = Run.at(loaded.run_uri)
+    assert loaded_run.manifest("update_actor", 3).info["trainer_from"] == "store"
+    expected, found = committed_tables(loaded_run, (1, 2, 3)), committed_tables(run, (1, 2, 3))
+    assert sorted(found) == sorted(expected)
+    for key, table in expected.items():
+        assert found[key].equals(table), key
+    a, b = policy_weights(run, 3), policy_weights(loaded_run, 3)
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_a_trainer_state_lost_to_a_kill_is_rebuilt_exactly_and_nothing_else_is_redone(tmp_path):
+    forget_process_state()
+    reference = Run.at(train(config(tmp_path / "a"), run_id="a", iterations=3).run_uri)
+    forget_process_state()
+    run = Run.at(train(config(tmp_path / "b"), run_id="b", iterations=2).run_uri)
+    run.store.remove_commit("iter-000002/actor_state")  # the process died while writing it
+    before = {stage: run.manifest(stage, 2).attempt for stage in STAGES}
+    forget_process_state()
+    train(config(tmp_path / "b"), run_id="b", iterations=3)
+    assert run.manifest("update_actor", 3).info["trainer_from"] == "rebuilt"
+    assert {stage: run.manifest(stage, 2).attempt for stage in STAGES} == before  # iteration 2 stands
+    assert run.manifest("actor_state", 2).info["weights_attempt"] == before["update_actor"]
+    a, b = policy_weights(reference, 3), policy_weights(run, 3)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    expected_state = load_file(reference.store.committed_dir(reference.manifest("actor_state", 3)) / "model.safetensors")
+    found_state = load_file(run.store.committed_dir(run.manifest("actor_state", 3)) / "model.safetensors")
+    assert all(torch.equal(expected_state[name], found_state[name]) for name in expected_state)
+
+
+def test_weights_saved_in_another_dtype_keep_tied_tensors_once_and_load_back_cast(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from kfrl.models.hf_io import load_causal_lm, save_hf
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True))
+    save_hf(model, None, tmp_path / "bf16", dtype=torch.bfloat16)
+    stored = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert "lm_head.weight" not in stored  # the embedding is the LM head: written once
+    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+    assert next(model.parameters()).dtype == torch.float32  # the training copy is left as it was
+    loaded = load_causal_lm(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert loaded.config.dtype == torch.bfloat16
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value.to(torch.bfloat16)), name
