@@ -83,8 +83,19 @@ def test_two_iterations_through_kfp_local_s3_and_mlflow(s3_bucket, mlflow_server
     versions = client.search_model_versions(f"name='{cfg.registered_model_name}'")
     by_iteration = {v.tags["iteration"]: v for v in versions}
     assert sorted(by_iteration) == ["1", "2"]
-    assert by_iteration["2"].source == f"s3://{s3_bucket}/runs/e2e/e2e-run/iter-000002/update_actor"
+    # The version points into the store (no copy): the committed folder, an MLflow model itself.
+    assert by_iteration["2"].source == f"s3://{s3_bucket}/runs/e2e/e2e-run/iter-000002/update_actor/{ckpt['attempt']}"
     assert by_iteration["2"].tags["kfrl.run_id"] == "e2e-run"
+    assert f"iter-000002/update_actor/{ckpt['attempt']}/MLmodel" in objects
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_server)
+    try:
+        components = mlflow.transformers.load_model(f"models:/{cfg.registered_model_name}/{by_iteration['2'].version}",
+                                                    return_type="components")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert {"model", "tokenizer"} <= set(components)
 
     # Running the finished run again redoes nothing and records nothing twice.
     attempts_before = {k for k in objects if "/attempt-" in k}

@@ -258,14 +258,15 @@ def test_register_local_checkpoint(tracker, tracking_uri, client, tmp_path):
     assert registered.tags["iteration"] == "7"
 
     if is_server_uri(tracking_uri):
-        # The server refuses a local source: a pointer artifact inside the run stands in for it.
+        # The server refuses a local source (and its clients could not read it): the checkpoint folder
+        # goes into the run's artifacts and the version points there.
         with pytest.raises(MlflowException, match="local path"):
             client.create_model_version(model, str(checkpoint), run_id=tracker.mlflow_run_id)
         assert registered.source == f"runs:/{tracker.mlflow_run_id}/checkpoints/iter-000007"
-        pointer = client.download_artifacts(
-            tracker.mlflow_run_id, "checkpoints/iter-000007/POINTER.json", str(tmp_path))
-        with open(pointer) as fh:
-            assert json.load(fh)["kfrl.store_uri"] == str(checkpoint)
+        copy = client.download_artifacts(
+            tracker.mlflow_run_id, "checkpoints/iter-000007/model.safetensors", str(tmp_path))
+        with open(copy, "rb") as fh:
+            assert fh.read() == b"w"
     else:
         assert registered.source == str(checkpoint)
 

@@ -11,6 +11,8 @@ import typer
 # Exit statuses: 0 done, 1 failed while running (nothing committed is lost; resume with --run-id),
 # 2 refused before doing anything (a bad input or a run that cannot go on as asked).
 EXIT_FAILED, EXIT_REFUSED = 1, 2
+# `kfrl promote`: the candidate was not better, the alias stays (CI branches on it).
+EXIT_NOT_PROMOTED = 3
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="veRL-style RL post-training of LLMs as Kubeflow Pipelines.")
@@ -62,8 +64,11 @@ def train(
     run_id: Optional[str] = typer.Option(None, "--run-id", help="resume (or name) this run"),
     runner: Optional[str] = typer.Option(None, "--runner", help="local (KFP local runner) | inline | kfp"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and stage plan; run nothing"),
+    strict: bool = typer.Option(False, "--strict", help="with --dry-run: exit 2 when there are warnings (for CI)"),
     reprepare: bool = typer.Option(False, "--reprepare", help="repair a run (--run-id) that recorded no iteration: "
                                    "prepare it again (data, initial weights, config) from this invocation"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write a JSON summary (run id, MLflow run, final "
+                                           "metrics, registered versions) to this file; - for stdout"),
 ):
     """Train: one KFP pipeline run per RL iteration, metrics and checkpoints to MLflow."""
     if iterations is not None and iterations < 1:
@@ -81,6 +86,8 @@ def train(
         typer.echo(report)
         for w in warnings:
             typer.secho(f"warning: {w}", fg=typer.colors.YELLOW, err=True)
+        if strict and warnings:
+            _fail(f"--strict: {len(warnings)} warning(s) above")
         return
     from kfrl.controller import TrainingRefused
     from kfrl.controller import train as run_training
@@ -98,6 +105,47 @@ def train(
     except Exception as err:  # noqa: BLE001 - MLflow, HTTP and library errors: one line, not 400
         _unexpected(err)
     typer.echo(f"done: run {summary.run_id} at {summary.run_uri}; MLflow run {summary.mlflow_run_id}")
+    if json_out:
+        _write_json(summary.to_dict(), json_out)
+
+
+def _write_json(document: dict, target: str) -> None:
+    import json
+
+    text = json.dumps(document, sort_keys=True)
+    if target == "-":
+        typer.echo(text)
+    else:
+        Path(target).write_text(text + "\n")
+
+
+@app.command()
+def promote(
+    run: str = typer.Option(..., "--run", help="the kfrl run id whose newest registered version is the candidate"),
+    alias: str = typer.Option("champion", "--alias", help="the alias to move"),
+    metric: Optional[str] = typer.Option(None, "--metric", help="validation metric to compare, e.g. "
+                                         "val-core/openai/gsm8k/reward/mean@1 (default: the run's one reward metric)"),
+    min_delta: float = typer.Option(0.0, "--min-delta", help="promote only when better by more than this"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
+                                               help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the "
+                                                    "embedded one)"),
+):
+    """Move an alias to a run's newest model version when its validation metric beats the holder's.
+    Exit 0: promoted; 3: not better (kept); 2: nothing to compare. Prints one JSON line."""
+    from kfrl.registry import PromotionRefused, promote as run_promotion
+    from kfrl.tracking import TrackingError, check_reachable
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    try:
+        check_reachable(uri)
+        result = run_promotion(uri, run, alias=alias, metric=metric, min_delta=min_delta)
+    except (PromotionRefused, TrackingError, ValueError) as err:
+        _fail(str(err))
+    except Exception as err:  # noqa: BLE001 - MLflow and HTTP errors: one line
+        _unexpected(err)
+    _write_json(result.to_dict(), "-")
+    if not result.promoted:
+        raise typer.Exit(EXIT_NOT_PROMOTED)
 
 
 engine_app = typer.Typer(no_args_is_help=True, help="The resident engine that executes a run's stages.")

@@ -240,10 +240,22 @@ class StoreConfig(Section):
 
 
 class TrackingConfig(Section):
-    # "" = embedded default (SQLite under ./kfrl-runs), or an MLflow server URL.
+    # "" = $MLFLOW_TRACKING_URI when set, else the embedded default (SQLite under ./kfrl-runs); or an
+    # MLflow server URL.
     uri: str = ""
-    experiment_name: str = ""  # "" = trainer.project_name
+    experiment_name: str = ""  # "" = $MLFLOW_EXPERIMENT_NAME when set, else trainer.project_name
     registered_model_name: str = ""  # "" = "<project>-<experiment>-policy"
+    # MLflow system metrics (CPU, memory, disk, network, GPU) every 10 s: auto = when a GPU is present.
+    system_metrics: Literal["auto", "on", "off"] = "auto"
+
+    def from_environment(self) -> "TrackingConfig":
+        """Empty ``uri`` / ``experiment_name`` filled from MLflow's own variables (a flag or a value in
+        the config file wins over them)."""
+        import os
+
+        return self.model_copy(update={
+            "uri": self.uri or os.environ.get("MLFLOW_TRACKING_URI", ""),
+            "experiment_name": self.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME", "")})
 
 
 class PipelineConfig(Section):

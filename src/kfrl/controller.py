@@ -49,6 +49,83 @@ class TrainSummary:
     iterations: dict[int, dict[str, float]] = field(default_factory=dict)
     resumed_from: int = 0
     registered_versions: dict[int, str] = field(default_factory=dict)
+    mlflow_run_name: str = ""
+    tracking_uri: str = ""
+    registered_model: str = ""
+
+    def to_dict(self) -> dict:
+        """What ``kfrl train --json`` writes for scripts (CI): ids, where things are, the last metrics."""
+        last = max(self.iterations) if self.iterations else None
+        return {"run_id": self.run_id, "run_uri": self.run_uri, "mlflow_run_id": self.mlflow_run_id,
+                "mlflow_run_name": self.mlflow_run_name, "tracking_uri": self.tracking_uri,
+                "resumed_from": self.resumed_from, "iterations": sorted(self.iterations),
+                "final_iteration": last, "final_metrics": self.iterations.get(last, {}) if last else {},
+                "registered_model": self.registered_model,
+                "registered_versions": {str(k): v for k, v in sorted(self.registered_versions.items())}}
+
+
+def mlflow_run_name(experiment_name: str, run_id: str) -> str:
+    """veRL names runs by experiment: ``demo-72b9`` for run ``20261203-065917-72b9`` of experiment demo."""
+    return f"{experiment_name}-{run_id.rsplit('-', 1)[-1][:12]}"
+
+
+def run_tags(config: Config, run_uri: str) -> dict[str, str]:
+    """Where the run came from: the code (git commit when run from a checkout), kfrl's version, the
+    config's hash, who ran it and how."""
+    import getpass
+    import hashlib
+    import subprocess
+    from importlib import metadata
+
+    tags = {"kfrl.store_uri": run_uri, "kfrl.runner": config.pipeline.runner,
+            "kfrl.config_hash": hashlib.sha256(config.to_yaml().encode()).hexdigest()[:16],
+            "mlflow.source.name": "kfrl train", "mlflow.source.type": "LOCAL"}
+    try:
+        tags["kfrl.version"] = metadata.version("kfrl")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        tags["mlflow.user"] = getpass.getuser()
+    except (KeyError, OSError):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if commit.returncode == 0:
+            tags["mlflow.source.git.commit"] = commit.stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, timeout=5)
+            tags["kfrl.git_dirty"] = str(bool(dirty.stdout.strip())).lower()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return tags
+
+
+def log_datasets(run: Run, tracker) -> None:
+    """The run's committed training and validation data as MLflow dataset inputs (digest of the
+    committed files, the user's source, rows)."""
+    import hashlib
+
+    from kfrl.store import entry_digest
+    from kfrl.tracking import is_local_uri
+
+    for split, context in (("train", "training"), ("val", "validation")):
+        manifest = run.store.manifest(f"data/{split}")
+        if manifest is None:
+            continue
+        source = str(manifest.info.get("source", run.store.url(f"data/{split}")))
+        if is_local_uri(source) and not source.startswith("builtin:"):
+            source = str(Path(source).expanduser().resolve())
+        digest = hashlib.sha256("".join(entry_digest(f) for f in manifest.files).encode()).hexdigest()[:16]
+        name = Path(source.rstrip("/")).name if "://" in source or "/" in source else source
+        tracker.log_dataset(name=f"{split}:{name}", digest=digest, source=source, context=context,
+                            rows=int(manifest.info.get("rows", 0)))
+
+
+def gpu_present() -> bool:
+    """A GPU on this machine, seen without importing torch (the driver process never needs it)."""
+    import shutil
+
+    return Path("/proc/driver/nvidia/gpus").is_dir() or shutil.which("nvidia-smi") is not None
 
 
 def resolve_resume(stored: Config, given: Config, total_iterations: int | None) -> tuple[Config, list[str]]:
@@ -181,8 +258,12 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     from kfrl.stages.prepare import prepare_run
     from kfrl.tracking import Tracker, check_reachable, credentials_to_environment
 
-    console = console or Console()
+    import sys
+
+    # Outside a terminal (CI logs, files) lines are not wrapped at 80 columns.
+    console = console or Console(soft_wrap=not sys.stdout.isatty())
     failpoint("startup")
+    config = config.model_copy(update={"tracking": config.tracking.from_environment()})
     # Credentials in the tracking URI go to MLflow's variables: the config is stored, printed and logged.
     config = config.model_copy(update={"tracking": config.tracking.model_copy(
         update={"uri": credentials_to_environment(config.tracking.uri)})})
@@ -221,11 +302,19 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     total = config.trainer.total_iterations
     latest = run.latest() or 0
 
-    tracker = Tracker(config.tracking.uri, config.tracking_experiment, run_id, run_name=run_id, fresh=reprepare)
+    run_name = mlflow_run_name(config.trainer.experiment_name, run_id)
+    tracker = Tracker(config.tracking.uri, config.tracking_experiment, run_id, run_name=run_name, fresh=reprepare)
     check_store_matches_tracking(run, run_id, run.latest(), tracker.last_logged_iteration(), tracker.mlflow_run_id)
     tracker.log_params(config.flat())
-    tracker.set_tags({"kfrl.store_uri": run_uri, "kfrl.runner": config.pipeline.runner})
-    summary = TrainSummary(run_id=run_id, run_uri=run_uri, mlflow_run_id=tracker.mlflow_run_id, resumed_from=latest)
+    tracker.set_tags(run_tags(config, run_uri))
+    tracker.log_config(config.to_yaml())
+    log_datasets(run, tracker)
+    system_metrics = config.tracking.system_metrics
+    if system_metrics == "on" or (system_metrics == "auto" and gpu_present()):
+        tracker.start_system_metrics()
+    summary = TrainSummary(run_id=run_id, run_uri=run_uri, mlflow_run_id=tracker.mlflow_run_id, resumed_from=latest,
+                           mlflow_run_name=run_name, tracking_uri=tracker.tracking_uri,
+                           registered_model=config.registered_model_name)
     stage_plan = plan(config)
     console.print(f"[bold]kfrl[/] run [cyan]{run_id}[/] · store {run_uri} · runner {config.pipeline.runner} · "
                   f"MLflow run {tracker.mlflow_run_id}")
@@ -305,8 +394,14 @@ def record_iteration(run: Run, tracker, config: Config, iteration: int, step_tim
     due = iteration == config.trainer.total_iterations or (save > 0 and iteration % save == 0)
     actor_update = run.manifest(POLICY_STAGE, iteration)
     if due and actor_update is not None and not actor_update.info.get("skipped"):  # none during critic warm-up
+        from kfrl.tracking import VALIDATION_PREFIX, mlflow_metric_name
+
+        # The version's source is the committed folder itself: an HF directory with an MLmodel file.
+        folder = run.store.url(f"{actor_update.prefix}/{actor_update.attempt}")
+        tags = {mlflow_metric_name(k): f"{v:.8g}" for k, v in metrics.items() if k.startswith(VALIDATION_PREFIX)}
+        tags["mlflow_run_id"] = tracker.mlflow_run_id
         summary.registered_versions[iteration] = tracker.register_checkpoint(
-            config.registered_model_name, run.url(POLICY_STAGE, iteration), iteration)
+            config.registered_model_name, folder, iteration, tags=tags)
         failpoint("registration")
     run.set_latest(iteration)
     failpoint("latest")

@@ -62,7 +62,7 @@ def report(cfg) -> tuple[str, list[str]]:
                      f"{cfg.data.train_batch_size}), counted when the data is read")
     for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path if cfg.use_critic
                                                           else ""), ("reward.model_path", cfg.reward.model_path)):
-        if path and not path.startswith("builtin:") and "://" not in path \
+        if path and not path.startswith(("builtin:", "models:/")) and "://" not in path \
                 and not (Path(path).expanduser() / "config.json").is_file():
             warnings.append(f"{key}: {path} is not a local HF model directory (no config.json); "
                             "kfrl loads models from local directories or the store, not from a hub")

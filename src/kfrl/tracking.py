@@ -56,6 +56,11 @@ LAST_LOGGED_ITERATION_TAG = "kfrl.last_logged_iteration"
 STORE_URI_TAG = "kfrl.store_uri"
 ITERATION_TAG = "iteration"
 FINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
+# MLflow 3's UI opens an experiment in its GenAI (traces) view unless it is tagged as model training.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+CONFIG_ARTIFACT = "config.yaml"
+# Metrics of this prefix at a registered iteration become tags of the model version (promotion reads them).
+VALIDATION_PREFIX = "val-core/"
 
 # A short, bounded retry for a tracking server that is briefly away (a restarting pod is healthy
 # again after ~20 s). MLflow's own HTTP session already retries connection errors; its defaults
@@ -329,7 +334,8 @@ class Tracker:
         if experiment is None:
             try:
                 return self.client.create_experiment(
-                    name, artifact_location=self._default_artifact_location())
+                    name, artifact_location=self._default_artifact_location(),
+                    tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
             except MlflowException as error:
                 if error.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
@@ -338,6 +344,8 @@ class Tracker:
         if experiment.lifecycle_stage == "deleted":
             logger.warning("MLflow experiment %r was deleted; restoring it", name)
             self.client.restore_experiment(experiment.experiment_id)
+        if EXPERIMENT_KIND_TAG not in experiment.tags:
+            self.client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return experiment.experiment_id
 
     def _find_or_create_run(self, run_name: str | None) -> str:
@@ -373,7 +381,29 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         if status not in FINAL_STATUSES:
             raise ValueError(f"status must be one of {FINAL_STATUSES}, got {status!r}")
+        self.stop_system_metrics()
         self.client.set_terminated(self.mlflow_run_id, status=status)
+
+    def start_system_metrics(self, interval_s: float = 10.0) -> bool:
+        """MLflow's system metrics (CPU, memory, disk, network; GPU through pynvml) logged to this run
+        every ``interval_s`` until ``finish``. False when MLflow cannot sample here."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system_metrics = SystemMetricsMonitor(self.mlflow_run_id, sampling_interval=interval_s,
+                                                        resume_logging=True, tracking_uri=self.tracking_uri)
+            self._system_metrics.start()
+        except Exception as err:  # noqa: BLE001 - a missing psutil or NVML must not stop training
+            logger.warning("system metrics are off: %s", err)
+            self._system_metrics = None
+            return False
+        return True
+
+    def stop_system_metrics(self) -> None:
+        monitor = getattr(self, "_system_metrics", None)
+        if monitor is not None:
+            self._system_metrics = None
+            monitor.finish()
 
     def __enter__(self) -> Tracker:
         return self
@@ -414,6 +444,30 @@ class Tracker:
         run_tags = [RunTag(str(key), str(value)) for key, value in tags.items()]
         for batch in chunks(run_tags, MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(self.mlflow_run_id, tags=batch, synchronous=True)
+
+    def log_config(self, yaml_text: str) -> None:
+        """The resolved config as the run's ``config.yaml`` artifact (rewritten on resume)."""
+        self.client.log_text(self.mlflow_run_id, yaml_text, CONFIG_ARTIFACT)
+
+    def log_dataset(self, *, name: str, digest: str, source: str, context: str, rows: int,
+                    columns: Sequence[str] = ()) -> bool:
+        """Record a dataset the run used as an MLflow dataset input (its digest, source URI and row
+        count; ``context`` training | validation). Returns False when this run already has it."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = self.client.get_run(self.mlflow_run_id).inputs
+        for existing in inputs.dataset_inputs if inputs else []:
+            if existing.dataset.name == name and existing.dataset.digest == digest:
+                return False
+        scheme = urlparse(source).scheme
+        source_type = "builtin" if scheme == "builtin" else "local" if is_local_uri(source) else scheme
+        schema = {"mlflow_colspec": [{"name": column, "type": "string"} for column in columns]} if columns else None
+        dataset = Dataset(name=name, digest=digest[:36], source_type=source_type,
+                          source=json.dumps({"uri": source}), schema=json.dumps(schema) if schema else None,
+                          profile=json.dumps({"num_rows": rows}))
+        self.client.log_inputs(self.mlflow_run_id, datasets=[
+            DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])
+        return True
 
     # --- metrics -------------------------------------------------------------------------------
 
@@ -491,8 +545,9 @@ class Tracker:
 
     def register_checkpoint(self, model_name: str, source_uri: str, iteration: int, *,
                             tags: Mapping | None = None) -> str:
-        """Register the checkpoint at source_uri as a version of model_name, once per
-        (kfrl run, iteration). Returns the version, the existing one on a repeated call."""
+        """Register the checkpoint folder at source_uri (an HF directory with an MLmodel file) as a
+        version of model_name, once per (kfrl run, iteration). Returns the version, the existing one
+        on a repeated call."""
         require_no_quote("model_name", model_name)
         existing = self.find_checkpoint_version(model_name, iteration)
         if existing is not None:
@@ -533,10 +588,16 @@ class Tracker:
     def _model_version_source(self, store_uri: str, iteration: int) -> str:
         if not is_local_uri(store_uri) or accepts_local_sources(self.tracking_uri):
             return store_uri
-        # A server refuses local sources outside the run's artifacts: register a pointer there.
+        # A server refuses local sources outside the run's artifacts, and its clients could not read
+        # them anyway: the checkpoint folder goes into the run's artifacts (a copy: the store is not
+        # where this server keeps artifacts), and the version points there.
         artifact_dir = checkpoint_artifact_dir(iteration)
-        pointer = {STORE_URI_TAG: store_uri, RUN_ID_TAG: self.kfrl_run_id, ITERATION_TAG: iteration}
-        self.client.log_dict(self.mlflow_run_id, pointer, f"{artifact_dir}/POINTER.json")
+        local = Path(store_uri.removeprefix("file://"))
+        if local.is_dir():
+            self.client.log_artifacts(self.mlflow_run_id, str(local), artifact_dir)
+        else:
+            pointer = {STORE_URI_TAG: store_uri, RUN_ID_TAG: self.kfrl_run_id, ITERATION_TAG: iteration}
+            self.client.log_dict(self.mlflow_run_id, pointer, f"{artifact_dir}/POINTER.json")
         return f"runs:/{self.mlflow_run_id}/{artifact_dir}"
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None:

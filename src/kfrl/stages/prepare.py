@@ -109,10 +109,21 @@ def prepare_data(store: Store, config: Config) -> None:
         attempt.commit(info=info)
 
 
-def _commit_weights(attempt, path: str, key: str) -> None:
-    """Commit weights from a builtin name (built here), a store URI (referenced in place) or a
-    local HF directory (checked, then uploaded); ``key`` names the config key in errors."""
+def _commit_weights(attempt, path: str, key: str, tracking_uri: str = "") -> None:
+    """Commit weights from a builtin name (built here), a store URI (referenced in place), a local HF
+    directory (checked, then uploaded) or a registered model version (``models:/<name>/<version>``,
+    ``models:/<name>@<alias>``: its source, resolved now and recorded, so a resumed run keeps the
+    version it started from); ``key`` names the config key in errors."""
     settings = {FINGERPRINT: fingerprint({key: path})}
+    from kfrl.registry import is_models_uri
+
+    if is_models_uri(path):
+        from kfrl.models import cache_dir
+        from kfrl.registry import model_version_source
+
+        source, facts = model_version_source(path, tracking_uri, cache_dir())
+        settings.update(facts)
+        path = source
     if path.startswith("builtin:"):
         from kfrl.models.tiny import materialize_builtin
 
@@ -135,7 +146,8 @@ def prepare_policy(store: Store, config: Config) -> None:
     """Commit the initial weights as iteration 0's policy."""
     prefix = stage_prefix(INIT_ITERATION, POLICY_STAGE)
     if not _is_current(store, prefix, {"model.path": config.model.path}):
-        _commit_weights(store.open_attempt(prefix), config.model.path, "model.path")
+        _commit_weights(store.open_attempt(prefix), config.model.path, "model.path",
+                        config.tracking.from_environment().uri)
 
 
 def prepare_critic(store: Store, config: Config) -> None:
@@ -151,7 +163,7 @@ def prepare_critic(store: Store, config: Config) -> None:
         return
     attempt = store.open_attempt(prefix)
     if config.critic.model_path:
-        _commit_weights(attempt, config.critic.model_path, key)
+        _commit_weights(attempt, config.critic.model_path, key, config.tracking.from_environment().uri)
     else:
         attempt.commit(info={"init_from": "policy", FINGERPRINT: fingerprint({key: ""})})
 

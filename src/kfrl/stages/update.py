@@ -189,7 +189,7 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
     suffix = _TIMING_SUFFIX[role.name]
     started = time.perf_counter()
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
-    save_weights(ctx, attempt, model, tokenizer)
+    save_weights(ctx, attempt, model, tokenizer, mlflow_model=role.name == "actor")
     attempt.info["optimizer_steps"] = steps
     if role.name == "actor":
         attempt.info["policy_version"] = ctx.iteration
@@ -217,12 +217,17 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
 
 
 # --- writing the two kinds -----------------------------------------------------------------------
-def save_weights(ctx: StageContext, attempt, model, tokenizer) -> None:
-    """The weights commit's files: the HF directory in the inference dtype, plus the tokenizer."""
+def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False) -> None:
+    """The weights commit's files: the HF directory in the inference dtype, plus the tokenizer, and for
+    the policy an ``MLmodel`` file (the folder is what MLflow model versions point at)."""
     from kfrl.models.hf_io import save_hf
 
     with attempt.staged_dir() as folder:
         save_hf(model, tokenizer, folder, dtype=ctx.compute_dtype)
+        if mlflow_model:
+            from kfrl.models.mlmodel import write_mlmodel
+
+            write_mlmodel(folder, tokenizer, ctx.compute_dtype)
 
 
 def snapshot(model, optimizer) -> tuple[dict, dict]:
