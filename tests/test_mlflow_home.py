@@ -191,3 +191,14 @@ def test_train_json_summary_and_strict_dry_run(tmp_path):
     assert warned.exit_code == 2 and "--strict" in warned.output
     assert runner.invoke(app, ["train", "--dry-run", "data.train_files=/no/such.parquet"]).exit_code == 0
     assert runner.invoke(app, ["train", "--dry-run", "--strict"]).exit_code == 0  # the demo config: no warnings
+
+
+def test_system_metrics_are_logged_when_asked(tmp_path, mlflow_server, client, monkeypatch):
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    summary = train(tiny(tmp_path, f"tracking.uri={mlflow_server}", "tracking.system_metrics=true"), run_id="sys",
+                    iterations=2)
+    metrics = client.get_run(summary.mlflow_run_id).data.metrics
+    assert any(key.startswith("system/cpu_utilization") for key in metrics), sorted(metrics)
+    quiet = train(tiny(tmp_path / "q", f"tracking.uri={mlflow_server}", "tracking.system_metrics=false"),
+                  run_id="quiet", iterations=1)
+    assert not any(key.startswith("system/") for key in client.get_run(quiet.mlflow_run_id).data.metrics)

@@ -11,7 +11,7 @@ import difflib
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -246,7 +246,7 @@ class TrackingConfig(Section):
     experiment_name: str = ""  # "" = $MLFLOW_EXPERIMENT_NAME when set, else trainer.project_name
     registered_model_name: str = ""  # "" = "<project>-<experiment>-policy"
     # MLflow system metrics (CPU, memory, disk, network, GPU) every 10 s: auto = when a GPU is present.
-    system_metrics: Literal["auto", "on", "off"] = "auto"
+    system_metrics: Union[Literal["auto"], bool] = "auto"
 
     def from_environment(self) -> "TrackingConfig":
         """Empty ``uri`` / ``experiment_name`` filled from MLflow's own variables (a flag or a value in

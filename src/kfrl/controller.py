@@ -310,7 +310,7 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     tracker.log_config(config.to_yaml())
     log_datasets(run, tracker)
     system_metrics = config.tracking.system_metrics
-    if system_metrics == "on" or (system_metrics == "auto" and gpu_present()):
+    if system_metrics is True or (system_metrics == "auto" and gpu_present()):
         tracker.start_system_metrics()
     summary = TrainSummary(run_id=run_id, run_uri=run_uri, mlflow_run_id=tracker.mlflow_run_id, resumed_from=latest,
                            mlflow_run_name=run_name, tracking_uri=tracker.tracking_uri,
