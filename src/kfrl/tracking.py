@@ -11,10 +11,10 @@ different URIs can live in one process.
 
 Checkpoint sources: MLflow's registry, used directly on a database (the embedded sqlite default),
 accepts any source string, local paths included. An ``mlflow server`` refuses a local path unless
-it lies inside the run's artifact directory. For a local checkpoint behind a server the Tracker
-logs a small pointer artifact ``checkpoints/iter-NNNNNN/POINTER.json`` (holding the store URI) and
-registers ``runs:/<run_id>/checkpoints/iter-NNNNNN`` instead. Either way the model version carries
-the real store URI in its tag ``kfrl.store_uri``.
+it lies inside the run's artifact directory (and its clients could not read one anyway). For a local
+checkpoint behind a server the Tracker copies the checkpoint folder into the run's artifacts
+(``checkpoints/iter-NNNNNN``) and registers ``runs:/<run_id>/checkpoints/iter-NNNNNN`` instead. Either
+way the model version carries the real store URI in its tag ``kfrl.store_uri``.
 """
 from __future__ import annotations
 
