@@ -35,13 +35,22 @@ from kfrl.components.stages import (
     validate_op,
     values_op,
 )
+from kfrl.components.train import train_driver_op
 from kfrl.stages import pipeline_edges
 
 PIPELINE_NAME = "kfrl-rl-iteration"
 FUSED_PIPELINE_NAME = "kfrl-rl-iteration-fused"
 SINGLE_PIPELINE_NAME = "kfrl-rl-iteration-single"
 VALIDATE_PIPELINE_NAME = "kfrl-validate"
+TRAIN_PIPELINE_NAME = "kfrl-rl-train"
 RETRIES = 2
+# Tasks that load a model (a GPU on a cluster); the others (scoring with rule rewards, advantages, the
+# driver) run on the CPU image. Fused tasks hold GPU stages.
+GPU_TASKS = {"rollout", "gen_max", "old_logprob", "ref_logprob", "values", "update_critic", "update_actor",
+             "validate", "infer", "train", "iteration"}
+# Set by kfrl.pipelines.compile while compiling for a cluster (the `cluster` config section and
+# whether a reward model makes scoring a GPU task); None compiles plain tasks.
+CLUSTER: dict = {"config": None, "gpu_tasks": GPU_TASKS}
 
 
 def _task(task, name: str):
@@ -49,6 +58,35 @@ def _task(task, name: str):
     task.set_display_name(name)
     task.set_caching_options(False)
     task.set_retry(num_retries=RETRIES, backoff_duration="5s", backoff_factor=2.0)
+    if CLUSTER["config"] is not None:
+        shape_for_cluster(task, CLUSTER["config"], gpu=name in CLUSTER["gpu_tasks"])
+    return task
+
+
+def shape_for_cluster(task, cluster, *, gpu: bool):
+    """Image, resources, placement, credentials and /dev/shm of one task, from the ``cluster`` config."""
+    from kfp import kubernetes
+
+    task.set_container_image(cluster.image if gpu else cluster.cpu_image)
+    resources = cluster.gpu_stages if gpu else cluster.cpu_stages
+    if resources.cpu:
+        task.set_cpu_request(resources.cpu).set_cpu_limit(resources.cpu)
+    if resources.memory:
+        task.set_memory_request(resources.memory).set_memory_limit(resources.memory)
+    if resources.gpus:
+        task.set_accelerator_type(resources.accelerator).set_accelerator_limit(resources.gpus)
+    if gpu:
+        for key, value in cluster.node_selector.items():
+            kubernetes.add_node_selector(task, label_key=key, label_value=value)
+        for toleration in cluster.tolerations:
+            kubernetes.add_toleration(task, key=toleration.key or None, operator=toleration.operator,
+                                      value=toleration.value or None, effect=toleration.effect or None)
+        if cluster.shm_size:
+            kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
+                                       size_limit=cluster.shm_size)
+    if cluster.secret:
+        kubernetes.use_secret_as_env(task, secret_name=cluster.secret,
+                                     secret_key_to_env={key: key for key in cluster.secret_keys}, optional=True)
     return task
 
 
@@ -57,42 +95,100 @@ STAGE_OPS = {"rollout": rollout_op, "gen_max": gen_max_op, "score": score_op, "o
              "update_critic": update_critic_op, "update_actor": update_actor_op, "validate": validate_op}
 
 
-@dsl.pipeline(name=PIPELINE_NAME, description="One veRL-style RL iteration: rollout, then score, "
-              "greedy baseline, old/ref log-probs and critic values in parallel, advantage, then the critic "
-              "and actor updates. Inputs and outputs live in the run's store.")
-def rl_iteration(run_uri: str, iteration: int) -> str:
-    # Every edge comes from kfrl.stages.STAGE_TABLE: a stage runs after the stages it reads or needs.
-    tasks = {}
-    for stage, upstream in pipeline_edges().items():
-        tasks[stage] = _task(STAGE_OPS[stage](run_uri=run_uri, iteration=iteration), stage)
-        for name in upstream:
-            tasks[stage].after(tasks[name])
-    return tasks["update_actor"].outputs["Output"]
+def build_pipelines() -> dict:
+    """The pipelines, built now: KFP runs a pipeline's body when it is decorated, so the cluster shape
+    (``CLUSTER``, set by ``kfrl.pipelines.compile``) applies to pipelines built while it is set."""
+    @dsl.pipeline(name=PIPELINE_NAME, description="One veRL-style RL iteration: rollout, then score, "
+                  "greedy baseline, old/ref log-probs and critic values in parallel, advantage, then the critic "
+                  "and actor updates. Inputs and outputs live in the run's store.")
+    def rl_iteration(run_uri: str = "", iteration: int = 1) -> str:
+        """One iteration of a prepared run.
+
+        Args:
+            run_uri: The run's folder in the store (s3://bucket/prefix/<experiment>/<run-id>), as printed by kfrl train or kfrl submit; the run must be prepared.
+            iteration: The iteration to run (1 = the first); its stages already committed are not redone.
+        """
+        # Every edge comes from kfrl.stages.STAGE_TABLE: a stage runs after the stages it reads or needs.
+        tasks = {}
+        for stage, upstream in pipeline_edges().items():
+            tasks[stage] = _task(STAGE_OPS[stage](run_uri=run_uri, iteration=iteration), stage)
+            for name in upstream:
+                tasks[stage].after(tasks[name])
+        return tasks["update_actor"].outputs["Output"]
+
+    @dsl.pipeline(name=FUSED_PIPELINE_NAME, description="One veRL-style RL iteration in two fused tasks: "
+                  "infer (rollout, score, greedy baseline, old/ref log-probs, values) and train (advantage, "
+                  "critic and actor updates).")
+    def rl_iteration_fused(run_uri: str = "", iteration: int = 1) -> str:
+        """One iteration of a prepared run.
+
+        Args:
+            run_uri: The run's folder in the store (s3://bucket/prefix/<experiment>/<run-id>), as printed by kfrl train or kfrl submit; the run must be prepared.
+            iteration: The iteration to run (1 = the first); its stages already committed are not redone.
+        """
+        infer = _task(infer_op(run_uri=run_uri, iteration=iteration), "infer")
+        train = _task(train_op(run_uri=run_uri, iteration=iteration), "train").after(infer)
+        return train.outputs["Output"]
+
+    @dsl.pipeline(name=SINGLE_PIPELINE_NAME, description="One veRL-style RL iteration as a single task "
+                  "(all stages in one process).")
+    def rl_iteration_single(run_uri: str = "", iteration: int = 1) -> str:
+        """One iteration of a prepared run.
+
+        Args:
+            run_uri: The run's folder in the store (s3://bucket/prefix/<experiment>/<run-id>), as printed by kfrl train or kfrl submit; the run must be prepared.
+            iteration: The iteration to run (1 = the first); its stages already committed are not redone.
+        """
+        return _task(iteration_op(run_uri=run_uri, iteration=iteration), "iteration").outputs["Output"]
+
+    @dsl.pipeline(name=VALIDATE_PIPELINE_NAME, description="Validate the policy after an iteration (0 = the "
+                  "initial policy) on the run's validation data; metrics val-core/<data_source>/...")
+    def rl_validate(run_uri: str = "", iteration: int = 1) -> str:
+        """Validation of one policy of a prepared run.
+
+        Args:
+            run_uri: The run's folder in the store (s3://bucket/prefix/<experiment>/<run-id>), as printed by kfrl train or kfrl submit; the run must be prepared.
+            iteration: The policy to validate: after this iteration (0 = the initial policy).
+        """
+        return _task(validate_op(run_uri=run_uri, iteration=iteration), "validate").outputs["Output"]
 
 
-@dsl.pipeline(name=FUSED_PIPELINE_NAME, description="One veRL-style RL iteration in two fused tasks: "
-              "infer (rollout, score, greedy baseline, old/ref log-probs, values) and train (advantage, "
-              "critic and actor updates).")
-def rl_iteration_fused(run_uri: str, iteration: int) -> str:
-    infer = _task(infer_op(run_uri=run_uri, iteration=iteration), "infer")
-    train = _task(train_op(run_uri=run_uri, iteration=iteration), "train").after(infer)
-    return train.outputs["Output"]
+
+    @dsl.pipeline(name=TRAIN_PIPELINE_NAME, description="A whole RL training run: prepare (or resume) it, then one "
+                  "kfrl-rl-iteration run per iteration through this cluster's KFP API, metrics and model versions to "
+                  "MLflow (as `kfrl train` does); optionally promote the result to an MLflow alias. Start it from the "
+                  "KFP UI or on a schedule (`kfrl schedule`).")
+    def rl_train(config_yaml: str = "", model_path: str = "", train_files: str = "", val_files: str = "",
+                 store_uri: str = "", tracking_uri: str = "", experiment_name: str = "", iterations: int = 0,
+                 run_id: str = "", overrides: str = "", promote_alias: str = "", runner: str = "kfp") -> str:
+        """A whole training run.
+
+        Args:
+            config_yaml: A kfrl config as YAML text (the contents of a configs/*.yaml file); empty = the defaults. The fields below override it.
+            model_path: The initial policy: an HF directory in the store (s3://...), or a registered version, models:/<name>@champion or models:/<name>/<version>. Empty = the config's model.path.
+            train_files: Training data, Parquet in veRL's RL-dataset schema (s3://.../train.parquet). Empty = the config's.
+            val_files: Validation data (s3://.../test.parquet). Empty = the config's.
+            store_uri: Where runs live: s3://bucket/prefix (terraform output store_uri). Empty = the config's store.uri.
+            tracking_uri: The MLflow tracking URI (terraform output tracking_uri). Empty = $MLFLOW_TRACKING_URI of the task (the credentials secret), else the config's.
+            experiment_name: trainer.experiment_name (the run's folder and the MLflow run name). Empty = the config's.
+            iterations: Total iterations of the run; 0 = the config's trainer.total_iterations (or its epochs).
+            run_id: Resume this kfrl run; empty = a new run named after this KFP run (a retried task resumes it).
+            overrides: More config overrides, space-separated key=value (e.g. actor.lr=1e-6 rollout.n=8).
+            promote_alias: After training, move this MLflow alias (e.g. champion) to the new version when its validation metric is better; empty = do not promote.
+            runner: How iterations run: kfp (runs on this cluster), local or inline (inside this task; for tests).
+        """
+        driver = train_driver_op(config_yaml=config_yaml, model_path=model_path, train_files=train_files,
+                                 val_files=val_files, store_uri=store_uri, tracking_uri=tracking_uri,
+                                 experiment_name=experiment_name, iterations=iterations, run_id=run_id,
+                                 overrides=overrides, promote_alias=promote_alias, runner=runner,
+                                 kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+        return _task(driver, "driver").outputs["Output"]
+
+    return {"rl_iteration": rl_iteration, "rl_iteration_fused": rl_iteration_fused,
+            "rl_iteration_single": rl_iteration_single, "rl_validate": rl_validate, "rl_train": rl_train}
 
 
-@dsl.pipeline(name=SINGLE_PIPELINE_NAME, description="One veRL-style RL iteration as a single task "
-              "(all stages in one process).")
-def rl_iteration_single(run_uri: str, iteration: int) -> str:
-    return _task(iteration_op(run_uri=run_uri, iteration=iteration), "iteration").outputs["Output"]
-
-
-@dsl.pipeline(name=VALIDATE_PIPELINE_NAME, description="Validate the policy after an iteration (0 = the "
-              "initial policy) on the run's validation data; metrics val-core/<data_source>/...")
-def rl_validate(run_uri: str, iteration: int) -> str:
-    return _task(validate_op(run_uri=run_uri, iteration=iteration), "validate").outputs["Output"]
-
-
-PIPELINES = {"rl_iteration": rl_iteration, "rl_iteration_fused": rl_iteration_fused,
-             "rl_iteration_single": rl_iteration_single, "rl_validate": rl_validate}
+PIPELINES = build_pipelines()
 FUSE_TO_PIPELINE = {"none": "rl_iteration", "weights": "rl_iteration_fused", "all": "rl_iteration_single"}
 
 

@@ -15,7 +15,7 @@ from kfrl.runners import ClusterKfpRunner, IterationFailed
 def test_committed_yaml_is_up_to_date(tmp_path):
     written = compile_pipelines(tmp_path)
     assert {p.name for p in written} == {"rl_iteration.yaml", "rl_iteration_fused.yaml", "rl_iteration_single.yaml",
-                                            "rl_validate.yaml"}
+                                            "rl_validate.yaml", "rl_train.yaml"}
     for fresh in written:
         assert compiled_path(fresh.stem).read_text() == fresh.read_text(), \
             f"pipelines/compiled/{fresh.name} is stale: run `kfrl compile`"

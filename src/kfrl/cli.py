@@ -218,13 +218,93 @@ def export(
 
 @app.command(name="compile")
 def compile_cmd(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="shape the tasks for a cluster from this "
+                                          "config's `cluster` section (resources, GPUs, secret, /dev/shm, images)"),
+    image: Optional[str] = typer.Option(None, "--image", help="the GPU image (cluster.image)"),
+    cpu_image: Optional[str] = typer.Option(None, "--cpu-image", help="the CPU image (cluster.cpu_image)"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="output folder (default: pipelines/compiled)"),
+    overrides: List[str] = typer.Argument(None, help="config overrides, e.g. cluster.gpu_stages.gpus=1"),
 ):
-    """Write the KFP IR YAML of the iteration pipeline (upload it in the KFP UI or submit with kfp.Client)."""
+    """Write the KFP IR YAML of the pipelines (upload them in the KFP UI, or `kfrl submit`). Without
+    --config, --image or overrides the tasks are plain (the committed pipelines/compiled/*.yaml)."""
     from kfrl.pipelines.compile import compile_pipelines
 
-    for path in compile_pipelines(output):
+    cfg = None
+    if config or image or cpu_image or overrides:
+        extra = list(overrides or []) + ([f"cluster.image={image}"] if image else []) + \
+            ([f"cluster.cpu_image={cpu_image}"] if cpu_image else [])
+        cfg = _load(config, extra, None, None, None)
+    for path in compile_pipelines(output, cfg):
         typer.echo(f"wrote {path}")
+
+
+def _cluster_config(config, overrides, store, tracking_uri, host, namespace):
+    extra = list(overrides or [])
+    if host:
+        extra.append(f"pipeline.host={host}")
+    if namespace:
+        extra.append(f"pipeline.namespace={namespace}")
+    return _load(config, extra, store, tracking_uri, None)
+
+
+@app.command()
+def submit(
+    overrides: List[str] = typer.Argument(None, help="config overrides, e.g. model.path=models:/name@champion"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file"),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="total iterations of the run"),
+    run_id: str = typer.Option("", "--run-id", help="resume this run (default: a new one named after the KFP run)"),
+    store: Optional[str] = typer.Option(None, "--store", help="store URI (s3://bucket/prefix)"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI the cluster reaches"),
+    host: Optional[str] = typer.Option(None, "--host", help="KFP API URL (pipeline.host; default $KF_PIPELINES_ENDPOINT)"),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubeflow profile namespace (multi-user KFP)"),
+    promote_alias: str = typer.Option("", "--promote-alias", help="after training, move this MLflow alias if better"),
+):
+    """Start the training pipeline (rl_train) on a KFP cluster: it prepares the run and drives every
+    iteration there. Prints the KFP run id."""
+    from kfrl.submit import pipeline_arguments, submit as submit_run
+
+    cfg = _cluster_config(config, overrides, store, tracking_uri, host, namespace)
+    arguments = pipeline_arguments(cfg, overrides=[], iterations=iterations, run_id=run_id,
+                                   promote_alias=promote_alias)
+    try:
+        kfp_run = submit_run(cfg, arguments, run_name=f"{cfg.trainer.experiment_name}-train")
+    except Exception as err:  # noqa: BLE001 - connection and API errors: one line
+        _fail(f"submitting to KFP at {cfg.pipeline.host or os.environ.get('KF_PIPELINES_ENDPOINT')}: "
+              f"{type(err).__name__}: {err}", code=EXIT_FAILED)
+    typer.echo(f"submitted KFP run {kfp_run} (pipeline kfrl-rl-train, experiment {cfg.trainer.project_name})")
+
+
+@app.command()
+def schedule(
+    cron: str = typer.Option(..., "--cron", help="when, as crontab's five fields, e.g. '0 2 * * *' (02:00 daily)"),
+    overrides: List[str] = typer.Argument(None, help="config overrides, e.g. model.path=models:/name@champion"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file"),
+    name: Optional[str] = typer.Option(None, "--name", help="the recurring run's name (default <experiment>-nightly)"),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="iterations of each night's run"),
+    store: Optional[str] = typer.Option(None, "--store", help="store URI (s3://bucket/prefix)"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI the cluster reaches"),
+    host: Optional[str] = typer.Option(None, "--host", help="KFP API URL (pipeline.host; default $KF_PIPELINES_ENDPOINT)"),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubeflow profile namespace (multi-user KFP)"),
+    promote_alias: str = typer.Option("", "--promote-alias", help="after each run, move this MLflow alias if better"),
+):
+    """A KFP recurring run of the training pipeline: each run is a new kfrl run (e.g. continuing from
+    model.path=models:/<name>@champion), at most one at a time, missed runs not caught up."""
+    from kfrl.submit import kfp_cron, pipeline_arguments, schedule as schedule_runs
+
+    try:
+        kfp_cron(cron)
+    except ValueError as err:
+        _fail(str(err))
+    cfg = _cluster_config(config, overrides, store, tracking_uri, host, namespace)
+    arguments = pipeline_arguments(cfg, overrides=[], iterations=iterations, promote_alias=promote_alias)
+    try:
+        job = schedule_runs(cfg, arguments, cron=cron, name=name or f"{cfg.trainer.experiment_name}-nightly")
+    except ValueError as err:
+        _fail(str(err))
+    except Exception as err:  # noqa: BLE001 - connection and API errors: one line
+        _fail(f"scheduling on KFP at {cfg.pipeline.host or os.environ.get('KF_PIPELINES_ENDPOINT')}: "
+              f"{type(err).__name__}: {err}", code=EXIT_FAILED)
+    typer.echo(f"scheduled recurring run {job} ({cron}, pipeline kfrl-rl-train)")
 
 
 def main() -> None:

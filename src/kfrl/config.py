@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -272,9 +272,56 @@ class PipelineConfig(Section):
     # their stage to it and return when it is committed (a task that finds no engine runs the stage
     # itself). "per_task": every task loads what it needs. The inline runner is resident by nature.
     engines: Literal["resident", "per_task"] = "resident"
+    # The KFP API (runner=kfp, kfrl submit/schedule); "" = $KF_PIPELINES_ENDPOINT. namespace: the
+    # Kubeflow profile namespace of multi-user KFP ("" = $KF_PIPELINES_NAMESPACE, else the client's
+    # default). A token comes from $KF_PIPELINES_TOKEN or the service-account token file
+    # ($KF_PIPELINES_SA_TOKEN_PATH, default /var/run/secrets/kubeflow/pipelines/token) when present.
     host: str = ""
+    namespace: str = ""
     pipeline_root: str = "./kfrl-runs/kfp"
     run_timeout_s: int = 3600
+
+
+class StageResources(Section):
+    """What one KFP task asks of the cluster ("" / 0 = nothing asked)."""
+    cpu: str = ""            # request = limit, e.g. "8"
+    memory: str = ""         # request = limit, e.g. "64G"
+    gpus: int = Field(0, ge=0)
+    # kfp's accelerator type: the resource name ("nvidia.com/gpu") or a GKE accelerator ("nvidia-h100-80gb").
+    accelerator: str = "nvidia.com/gpu"
+
+    @field_validator("cpu", "memory", mode="before")
+    @classmethod
+    def _quantity(cls, value):
+        return "" if value is None else str(value)  # cpu=8 on a command line is a number; Kubernetes takes "8"
+
+
+class Toleration(Section):
+    key: str = ""
+    operator: Literal["Equal", "Exists"] = "Exists"
+    value: str = ""
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = ""
+
+
+class ClusterConfig(Section):
+    """How `kfrl compile` shapes the pipelines' tasks for a Kubernetes cluster (the local runner
+    ignores all of it)."""
+    # Images (docker/): the GPU image runs GPU stages, the CPU image the driver, scoring and advantage.
+    image: str = "ghcr.io/kfrl/kfrl-gpu:0.1.0"
+    cpu_image: str = "ghcr.io/kfrl/kfrl-cpu:0.1.0"
+    # A Kubernetes secret whose keys become environment variables of every task (S3 and MLflow
+    # credentials); "" = none. Keys missing from the secret are skipped.
+    secret: str = ""
+    secret_keys: list[str] = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION",
+                              "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"]
+    gpu_stages: StageResources = StageResources()
+    cpu_stages: StageResources = StageResources()
+    # A memory-backed /dev/shm of this size for GPU tasks (PyTorch data loading and NCCL need more than
+    # the container default of 64 MB); "" = none.
+    shm_size: str = ""
+    # Where GPU tasks may run.
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
 
 
 class Config(Section):
@@ -289,6 +336,7 @@ class Config(Section):
     store: StoreConfig = StoreConfig()
     tracking: TrackingConfig = TrackingConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Config":

@@ -21,7 +21,7 @@ from kfrl.store import Store
 
 # Sections that say where and how a run executes, not what it computes: a resumed run takes them
 # from the current invocation, everything else from the stored config.
-EXECUTION_SECTIONS = ("store", "tracking", "pipeline")
+EXECUTION_SECTIONS = ("store", "tracking", "pipeline", "cluster")
 
 
 class TrainingRefused(ValueError):

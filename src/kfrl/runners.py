@@ -6,6 +6,7 @@ the iteration's stages are committed, or raises ``IterationFailed`` naming where
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from pathlib import Path
 
@@ -92,17 +93,16 @@ class ClusterKfpRunner:
     name = "kfp"
 
     def __init__(self, config: Config):
-        if not config.pipeline.host:
-            raise ValueError("pipeline.runner=kfp needs pipeline.host (the KFP API URL, e.g. http://ml-pipeline-ui:80)")
+        if not (config.pipeline.host or os.environ.get("KF_PIPELINES_ENDPOINT")):
+            raise ValueError("pipeline.runner=kfp needs pipeline.host (the KFP API URL, e.g. http://ml-pipeline-ui:80) "
+                             "or $KF_PIPELINES_ENDPOINT")
         self.config = config
         self._client = None
 
     @property
     def client(self):
         if self._client is None:
-            import kfp
-
-            self._client = kfp.Client(host=self.config.pipeline.host)
+            self._client = kfp_client(self.config.pipeline)
         return self._client
 
     def run(self, run_uri: str, iteration: int, log_path: Path, pipeline: str = "iteration") -> None:
@@ -120,6 +120,28 @@ class ClusterKfpRunner:
         if "SUCCEEDED" not in state:
             raise IterationFailed(f"iteration {iteration}: KFP run {result.run_id} ended in state {state}; "
                                   f"see the run in the KFP UI at {self.config.pipeline.host}")
+
+
+SA_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
+
+
+def kfp_client(pipeline):
+    """A ``kfp.Client`` for ``pipeline`` (the config section): host from ``pipeline.host`` or
+    $KF_PIPELINES_ENDPOINT; namespace from ``pipeline.namespace`` or $KF_PIPELINES_NAMESPACE (multi-user
+    Kubeflow); a bearer token from $KF_PIPELINES_TOKEN, else the projected service-account token
+    ($KF_PIPELINES_SA_TOKEN_PATH, default /var/run/secrets/kubeflow/pipelines/token) when the file exists."""
+    import kfp
+
+    host = pipeline.host or os.environ.get("KF_PIPELINES_ENDPOINT") or None
+    namespace = pipeline.namespace or os.environ.get("KF_PIPELINES_NAMESPACE") or "kubeflow"
+    token = os.environ.get("KF_PIPELINES_TOKEN") or None
+    credentials = None
+    token_path = os.environ.get("KF_PIPELINES_SA_TOKEN_PATH", SA_TOKEN_PATH)
+    if token is None and Path(token_path).is_file():
+        from kfp.client import ServiceAccountTokenVolumeCredentials
+
+        credentials = ServiceAccountTokenVolumeCredentials(path=token_path)
+    return kfp.Client(host=host, namespace=namespace, existing_token=token, credentials=credentials)
 
 
 def make_runner(config: Config):

@@ -36,3 +36,67 @@ def _report(result, iteration: int, metrics_artifact) -> str:
     status = "skipped: " + result.skipped if result.skipped else ("already committed" if result.cached else "done")
     print(f"[kfrl] iteration {iteration} {stage}: {status} -> {result.uri}")
     return result.uri
+
+
+# The KFP API inside a cluster with KFP installed standalone (the kubeflow namespace).
+IN_CLUSTER_KFP_HOST = "http://ml-pipeline.kubeflow.svc.cluster.local:8888"
+
+
+def train_for_kfp(*, config_yaml: str, model_path: str, train_files: str, val_files: str, store_uri: str,
+                  tracking_uri: str, experiment_name: str, iterations: int, run_id: str, overrides: str,
+                  promote_alias: str, runner: str, kfp_run_id: str, metrics_artifact) -> str:
+    """The rl_train pipeline's driver: `kfrl train` with the pipeline's parameters, then (with
+    ``promote_alias``) the promotion gate. Returns the run's store URI. A retried driver task resumes
+    the same run: its id defaults to one derived from the KFP run's id.
+
+    `kfrl train` runs as a child process: KFP's executor imports ``kfp.dsl`` in its runtime-only form
+    (``_KFP_RUNTIME``), in which the pipelines `kfrl train` submits cannot be built."""
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+    import tempfile
+
+    extra = shlex.split(overrides or "")
+    for key, value in (("model.path", model_path), ("data.train_files", train_files),
+                       ("data.val_files", val_files), ("store.uri", store_uri), ("tracking.uri", tracking_uri),
+                       ("trainer.experiment_name", experiment_name)):
+        if value:
+            extra.append(f"{key}={value}")
+    extra.append(f"pipeline.runner={runner}")
+    if runner == "kfp" and not any(item.startswith("pipeline.host=") for item in extra):
+        extra.append(f"pipeline.host={os.environ.get('KF_PIPELINES_ENDPOINT') or IN_CLUSTER_KFP_HOST}")
+    run_id = run_id or f"kfp-{kfp_run_id.replace('-', '')[:12]}"
+    with tempfile.TemporaryDirectory(prefix="kfrl-driver-") as tmp:
+        config_file, summary_file = os.path.join(tmp, "config.yaml"), os.path.join(tmp, "summary.json")
+        with open(config_file, "w") as fh:
+            fh.write(config_yaml or "{}\n")
+        command = [sys.executable, "-m", "kfrl.cli", "train", "--config", config_file, "--run-id", run_id,
+                   "--json", summary_file, *(["--iterations", str(iterations)] if iterations else []), *extra]
+        env = {key: value for key, value in os.environ.items() if key != "_KFP_RUNTIME"}
+        print(f"[kfrl] {' '.join(shlex.quote(c) for c in command)}", flush=True)
+        finished = subprocess.run(command, env=env)
+        if finished.returncode != 0:
+            raise RuntimeError(f"kfrl train exited with status {finished.returncode} (see the lines above); the "
+                               f"run {run_id} resumes where it stopped when this task is retried or the pipeline "
+                               f"is started again with run_id={run_id}")
+        with open(summary_file) as fh:
+            summary = json.load(fh)
+    for key, value in summary["final_metrics"].items():
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            metrics_artifact.log_metric(key.replace("/", "."), float(value))
+    metrics_artifact.metadata.update({key: summary[key] for key in ("run_id", "run_uri", "mlflow_run_id",
+                                                                      "registered_versions")})
+    if promote_alias:
+        from kfrl.registry import PromotionRefused, promote
+
+        try:
+            result = promote(summary["tracking_uri"], summary["run_id"], alias=promote_alias)
+        except PromotionRefused as err:
+            print(f"[kfrl] not promoted: {err}", flush=True)
+            metrics_artifact.log_metric("promoted", 0.0)
+        else:
+            print(f"[kfrl] promotion @{promote_alias}: {json.dumps(result.to_dict())}", flush=True)
+            metrics_artifact.log_metric("promoted", 1.0 if result.promoted else 0.0)
+    return summary["run_uri"]

@@ -1,0 +1,238 @@
+"""On a cluster: pipelines compiled from a GPU config ask for what their tasks need (and only those
+that need it), every parameter the KFP UI shows is typed, defaulted and described, `kfrl submit` and
+`kfrl schedule` send the requests a KFP API expects (checked against a fake one), and the training
+pipeline (rl_train) drives a whole run through KFP's local runner as `kfrl train` does."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from kfrl.cli import app
+from kfrl.config import load_config
+from kfrl.pipelines.compile import COMPILED_DIR, compile_pipelines
+from kfrl.run import Run
+from kfrl.stages import STAGES
+
+runner = CliRunner()
+GPU_CONFIG = Path("configs/gsm8k_grpo_qwen05b.yaml")
+
+
+def compiled(folder: Path, name: str) -> tuple[dict, dict]:
+    """(pipeline spec, kubernetes platform spec) of a compiled YAML."""
+    docs = list(yaml.safe_load_all((folder / f"{name}.yaml").read_text()))
+    platform = next((d for d in docs if "platforms" in d), {"platforms": {"kubernetes": {"deploymentSpec": {}}}})
+    return docs[0], platform["platforms"]["kubernetes"]["deploymentSpec"].get("executors", {})
+
+
+def test_a_gpu_config_compiles_gpu_tasks_with_accelerators_tolerations_secret_and_shm(tmp_path):
+    config = load_config(GPU_CONFIG, [])
+    compile_pipelines(tmp_path, config)
+    spec, kube = compiled(tmp_path, "rl_iteration")
+    executors = spec["deploymentSpec"]["executors"]
+    gpu_ops = {f"exec-{stage.replace('_', '-')}-op" for stage in
+               ("rollout", "gen_max", "old_logprob", "ref_logprob", "values", "update_critic", "update_actor",
+                "validate")}
+    cpu_ops = {"exec-score-op", "exec-advantage-op"}
+    assert gpu_ops | cpu_ops == set(executors)
+    for name in gpu_ops:
+        container = executors[name]["container"]
+        assert container["image"] == "ghcr.io/kfrl/kfrl-gpu:0.1.0"
+        assert container["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
+        assert container["resources"]["accelerator"]["resourceCount"] == "1"
+        assert container["resources"]["resourceMemoryLimit"] == "64G"
+        assert kube[name]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert kube[name]["emptyDirMounts"] == [{"medium": "Memory", "mountPath": "/dev/shm", "sizeLimit": "16Gi",
+                                                 "volumeName": "dshm"}]
+    for name in cpu_ops:
+        container = executors[name]["container"]
+        assert container["image"] == "ghcr.io/kfrl/kfrl-cpu:0.1.0"
+        assert "accelerator" not in container["resources"]
+        assert "tolerations" not in kube[name] and "emptyDirMounts" not in kube[name]
+    for name in gpu_ops | cpu_ops:  # every task reads the store and MLflow with the secret's credentials
+        (secret,) = kube[name]["secretAsEnv"]
+        assert secret["secretName"] == "kfrl-credentials" and secret["optional"] is True
+        assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_URI"} <= \
+            {entry["envVar"] for entry in secret["keyToEnv"]}
+    train_spec, train_kube = compiled(tmp_path, "rl_train")
+    driver = train_spec["deploymentSpec"]["executors"]["exec-train-driver-op"]["container"]
+    assert driver["image"] == "ghcr.io/kfrl/kfrl-cpu:0.1.0" and "accelerator" not in driver["resources"]
+    assert train_kube["exec-train-driver-op"]["secretAsEnv"][0]["secretName"] == "kfrl-credentials"
+    # Without a cluster config the committed pipelines ask for nothing (the local runner runs them).
+    plain, plain_kube = compiled(COMPILED_DIR, "rl_iteration")
+    assert not plain_kube and all("resources" not in e["container"] for e in plain["deploymentSpec"]["executors"].values())
+
+
+def test_a_reward_model_makes_scoring_a_gpu_task(tmp_path):
+    config = load_config(GPU_CONFIG, ["reward.name=model", "reward.model_path=/models/rm"])
+    compile_pipelines(tmp_path, config)
+    spec, _ = compiled(tmp_path, "rl_iteration")
+    assert "accelerator" in spec["deploymentSpec"]["executors"]["exec-score-op"]["container"]["resources"]
+
+
+@pytest.mark.parametrize("name", ["rl_iteration", "rl_iteration_fused", "rl_iteration_single", "rl_validate",
+                                  "rl_train"])
+def test_every_pipeline_parameter_has_a_type_a_default_and_a_description(name):
+    spec, _ = compiled(COMPILED_DIR, name)
+    parameters = spec["root"]["inputDefinitions"]["parameters"]
+    assert parameters
+    for key, parameter in parameters.items():
+        assert parameter["parameterType"] in ("STRING", "NUMBER_INTEGER"), key
+        assert "defaultValue" in parameter and parameter["isOptional"], key
+        assert len(parameter.get("description", "")) > 20, key
+    assert spec["pipelineInfo"]["description"]
+
+
+def test_compile_command_takes_a_config_and_an_image(tmp_path):
+    result = runner.invoke(app, ["compile", "--config", str(GPU_CONFIG), "--image", "registry.example/kfrl-gpu:9",
+                                 "--output", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    spec, _ = compiled(tmp_path, "rl_iteration")
+    assert spec["deploymentSpec"]["executors"]["exec-rollout-op"]["container"]["image"] == "registry.example/kfrl-gpu:9"
+
+
+class FakeKfp:
+    """Just enough of KFP's v2beta1 REST API to take a run or a recurring run; records every request."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, method):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                fake.requests.append({"method": method, "path": self.path, "body": body,
+                                      "authorization": self.headers.get("Authorization")})
+                path = self.path.split("?")[0]
+                if path.endswith("/experiments"):
+                    answer = {"experiments": []} if method == "GET" else {"experiment_id": "exp-1", **(body or {})}
+                elif path.endswith("/recurringruns"):
+                    answer = {**body, "recurring_run_id": "rr-1"}
+                elif path.endswith("/runs"):
+                    answer = {**body, "run_id": "run-1"}
+                else:
+                    answer = {}
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer("GET")
+
+            def do_POST(self):
+                self._answer("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def posted(self, suffix: str) -> dict:
+        (request,) = [r for r in self.requests if r["method"] == "POST" and r["path"].split("?")[0].endswith(suffix)]
+        return request
+
+
+@pytest.fixture()
+def fake_kfp(monkeypatch):
+    fake = FakeKfp()
+    monkeypatch.setenv("KF_PIPELINES_TOKEN", "t0ken")
+    yield fake
+    fake.server.shutdown()
+
+
+def test_schedule_creates_a_nightly_recurring_run_of_the_training_pipeline(fake_kfp):
+    result = runner.invoke(app, ["schedule", "--cron", "0 2 * * *", "--config", str(GPU_CONFIG), "--host",
+                                 fake_kfp.url, "--namespace", "team-a", "--promote-alias", "champion", "-n", "50",
+                                 "model.path=models:/kfrl-gsm8k-policy@champion"])
+    assert result.exit_code == 0, result.output
+    assert "rr-1" in result.output
+    assert fake_kfp.posted("/experiments")["body"] == {"display_name": "kfrl-gsm8k", "namespace": "team-a"}
+    request = fake_kfp.posted("/recurringruns")
+    body = request["body"]
+    assert request["authorization"] == "Bearer t0ken"  # multi-user KFP: the token travels
+    assert body["trigger"] == {"cron_schedule": {"cron": "0 0 2 * * *"}}  # KFP's cron has seconds first
+    assert str(body["max_concurrency"]) == "1" and body["no_catchup"] is True and body["mode"] == "ENABLE"
+    assert body["experiment_id"] == "exp-1" and body["display_name"] == "grpo-qwen2.5-0.5b-nightly"
+    spec = body["pipeline_spec"]["pipeline_spec"]
+    assert spec["pipelineInfo"]["name"] == "kfrl-rl-train"
+    driver = spec["deploymentSpec"]["executors"]["exec-train-driver-op"]["container"]
+    assert driver["image"] == "ghcr.io/kfrl/kfrl-cpu:0.1.0"  # compiled for the cluster from the config
+    params = body["runtime_config"]["parameters"]
+    assert params["promote_alias"] == "champion" and params["iterations"] == 50 and params["runner"] == "kfp"
+    sent = yaml.safe_load(params["config_yaml"])
+    assert sent["model"]["path"] == "models:/kfrl-gsm8k-policy@champion"  # each night starts from the champion
+    assert sent["trainer"]["experiment_name"] == "grpo-qwen2.5-0.5b"
+
+
+def test_submit_starts_one_training_run(fake_kfp):
+    result = runner.invoke(app, ["submit", "--config", str(GPU_CONFIG), "--host", fake_kfp.url, "--store",
+                                 "s3://bucket/runs", "--run-id", "resume-me"])
+    assert result.exit_code == 0, result.output
+    assert "run-1" in result.output
+    body = fake_kfp.posted("/runs")["body"]
+    params = body["runtime_config"]["parameters"]
+    assert params["run_id"] == "resume-me" and yaml.safe_load(params["config_yaml"])["store"]["uri"] == "s3://bucket/runs"
+    spec = body["pipeline_spec"].get("pipeline_spec", body["pipeline_spec"])
+    assert spec["pipelineInfo"]["name"] == "kfrl-rl-train"
+
+
+def test_bad_cron_is_refused():
+    result = runner.invoke(app, ["schedule", "--cron", "nightly", "--host", "http://127.0.0.1:9"])
+    assert result.exit_code == 2 and "five fields" in result.output
+
+
+def test_the_training_pipeline_drives_a_run_through_the_local_runner_as_kfrl_train_does(tmp_path, mlflow_server):
+    from kfp import local
+    from mlflow import MlflowClient
+
+    from kfrl.controller import train
+    from kfrl.pipelines.rl_iteration import PIPELINES
+
+    small = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=16",
+             "trainer.log_generations=0", "trainer.val_before_train=false", "pipeline.fuse=all",
+             f"pipeline.pipeline_root={tmp_path / 'inner'}", "trainer.experiment_name=pipe"]
+    config_yaml = Path("configs/demo.yaml").read_text()
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "outer"),
+               raise_on_error=True)
+    try:
+        task = PIPELINES["rl_train"](config_yaml=config_yaml, store_uri=str(tmp_path / "pipe-store"),
+                                     tracking_uri=mlflow_server, iterations=2, run_id="from-kfp",
+                                     overrides=" ".join(small), runner="local")
+    finally:
+        import kfrl.runners
+
+        kfrl.runners._LOCAL_ROOT = None  # the local runner's settings here belong to this test
+    run_uri = task.output if hasattr(task, "output") else task.outputs["Output"]
+    run = Run.at(run_uri)
+    assert run.latest() == 2
+    reference = train(load_config(Path("configs/demo.yaml"), small + [
+        f"store.uri={tmp_path / 'ref-store'}", f"tracking.uri={mlflow_server}", "pipeline.runner=inline"]),
+        run_id="from-cli", iterations=2)
+    ref_run = Run.at(reference.run_uri)
+    for iteration in (1, 2):
+        for stage in STAGES:
+            mine, theirs = run.manifest(stage, iteration), ref_run.manifest(stage, iteration)
+            for name in theirs.names():
+                if name.endswith(".parquet"):
+                    assert pq.read_table(Path(run.store.url(f"{mine.prefix}/{mine.attempt}/{name}"))).equals(
+                        pq.read_table(Path(ref_run.store.url(f"{theirs.prefix}/{theirs.attempt}/{name}")))), \
+                        (iteration, stage, name)
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (recorded,) = client.search_runs([client.get_experiment_by_name("kfrl").experiment_id],
+                                     "tags.`kfrl.run_id` = 'from-kfp'")
+    history = [m.value for m in client.get_metric_history(recorded.info.run_id, "critic/score/mean")]
+    expected = [m.value for m in client.get_metric_history(reference.mlflow_run_id, "critic/score/mean")]
+    assert history == expected and len(history) == 2
+    assert client.search_model_versions("tag.`kfrl.run_id`='from-kfp'")  # the last iteration registered
