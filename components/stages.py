@@ -6,9 +6,10 @@ import os
 from kfp import dsl
 from kfp.dsl import Metrics, Output
 
-# The component image on a cluster; the local runner ignores it. Override at compile time with
-# KFRL_IMAGE (see `kfrl compile --image`).
-IMAGE = os.environ.get("KFRL_IMAGE", "ghcr.io/kfrl/kfrl:0.1.0")
+# The component image on a cluster (docker/gpu.Dockerfile); the local runner ignores it. `kfrl compile
+# --config C` sets every task's image from the config's `cluster` section (`--image` overrides it);
+# KFRL_IMAGE changes this default.
+IMAGE = os.environ.get("KFRL_IMAGE", "ghcr.io/kfrl/kfrl-gpu:0.1.0")
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
