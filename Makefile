@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
 
-.PHONY: demo test test-all install compile clean
+.PHONY: demo test test-all install compile clean images
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kfrl train --config configs/demo.yaml
 
-test: $(STAMP)
+# checkov (the Terraform security scan of tests/test_terraform.py) lives in its own venv: its pins
+# (boto3, networkx, packaging, ...) conflict with constraints.txt.
+CHECKOV := $(VENV)/checkov/bin/checkov
+$(CHECKOV): infra/terraform/requirements-checkov.txt
+	@test -x $(VENV)/checkov/bin/python || $(PYTHON) -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/python -m pip install -q -r infra/terraform/requirements-checkov.txt
+	@touch $(CHECKOV)
+
+test: $(STAMP) $(CHECKOV)
 	$(VENV)/bin/pytest -q -m "not gpu and not bench"
 
 compile: $(STAMP)
@@ -33,3 +41,24 @@ compile: $(STAMP)
 
 clean:
 	rm -rf kfrl-runs .pytest_cache
+
+# Container images from docker/ (the build context is this folder; see .dockerignore):
+# $(IMAGE_REPO)/kfrl-gpu:$(VERSION) and $(IMAGE_REPO)/kfrl-cpu:$(VERSION); PUSH=1 pushes them too.
+# The builder is docker, else podman (DOCKER=... picks another). IMAGE_BUILD_FLAGS go to both builds,
+# GPU_BUILD_FLAGS / CPU_BUILD_FLAGS to one (e.g. GPU_BUILD_FLAGS="--build-arg VLLM_VERSION=...").
+IMAGE_REPO ?= ghcr.io/kfrl
+VERSION ?= $(or $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml),0.1.0)
+DOCKER ?= $(shell for b in docker podman; do command -v $$b >/dev/null 2>&1 && { echo $$b; break; }; done)
+IMAGE_BUILD_FLAGS ?=
+GPU_BUILD_FLAGS ?=
+CPU_BUILD_FLAGS ?=
+VCS_REF ?= $(or $(shell git rev-parse --short HEAD 2>/dev/null),unknown)
+
+images:
+	@test -n "$(DOCKER)" || { echo "make images: no container builder found: install docker or podman (or set DOCKER=<builder>)" >&2; exit 1; }
+	$(DOCKER) build -f docker/gpu.Dockerfile --build-arg KFRL_VERSION=$(VERSION) --build-arg VCS_REF=$(VCS_REF) $(IMAGE_BUILD_FLAGS) $(GPU_BUILD_FLAGS) -t $(IMAGE_REPO)/kfrl-gpu:$(VERSION) .
+	$(DOCKER) build -f docker/cpu.Dockerfile --build-arg KFRL_VERSION=$(VERSION) --build-arg VCS_REF=$(VCS_REF) $(IMAGE_BUILD_FLAGS) $(CPU_BUILD_FLAGS) -t $(IMAGE_REPO)/kfrl-cpu:$(VERSION) .
+ifeq ($(PUSH),1)
+	$(DOCKER) push $(IMAGE_REPO)/kfrl-gpu:$(VERSION)
+	$(DOCKER) push $(IMAGE_REPO)/kfrl-cpu:$(VERSION)
+endif
