@@ -400,10 +400,18 @@ class Tracker:
         return True
 
     def stop_system_metrics(self) -> None:
+        """Stop sampling; one last sample is logged first, so even a run shorter than the sampling
+        interval has its system metrics."""
         monitor = getattr(self, "_system_metrics", None)
-        if monitor is not None:
-            self._system_metrics = None
-            monitor.finish()
+        if monitor is None:
+            return
+        self._system_metrics = None
+        try:
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+        except Exception as err:  # noqa: BLE001 - the metrics are a nicety; finishing the run is not
+            logger.warning("last system metrics sample not logged: %s", err)
+        monitor.finish()  # flushes what was published
 
     def __enter__(self) -> Tracker:
         return self
