@@ -379,8 +379,11 @@ def test_estimators_do_not_mutate_inputs_and_carry_no_grad():
     baselines = torch.rand(6)
     snapshot = [x.detach().clone() for x in (rewards, mask, values, baselines)]
     index = ["a", "a", "b", "b", "c", "c"]
+    # optimal_token_baseline's inputs (the old-logprob pass's log-probs and sum of squared probabilities).
+    token_stats = dict(old_logprobs=-torch.rand(6, L), sum_pi_squared=torch.rand(6, L))
     for name in ESTIMATORS:
-        adv, ret = advantage(name, rewards, mask, index=index, values=values, reward_baselines=baselines)
+        adv, ret = advantage(name, rewards, mask, index=index, values=values, reward_baselines=baselines,
+                             **token_stats)
         assert adv.shape == ret.shape == (6, L)
         assert not adv.requires_grad and not ret.requires_grad
         adv.add_(1.0)  # writing into a result must not touch the other result or the inputs
@@ -480,22 +483,27 @@ def test_vanilla_rollout_is_weights_and_global_batch_info():
     close(loss, (-2.2 - 1.2 - 0.5 + 0.8 + 3.0) / 10)
 
 
-def test_gspo_sequence_ratio_and_forced_aggregation():
+def test_gspo_sequence_ratio_and_aggregation():
     old = torch.zeros(2, 2)
     log_prob = T([[0.1, 0.3], [-0.05, 0.5]]).requires_grad_()
     adv = T([[1.0, 1.0], [-1.0, -1.0]])
     mask = T([[1, 1], [1, 0]])
-    loss, metrics = policy_loss("gspo", old, log_prob, adv, mask, loss_agg_mode="token-mean")
     s1 = math.exp((0.1 + 0.3) / 2)  # 1.2214 -> clipped to 1.2 for A > 0
     s2 = math.exp(-0.05)  # inside the clip range
     assert s1 > 1.2
-    # Always seq-mean-token-mean: mean over sequences of per-sequence token means.
-    close(loss, ((-1.2 - 1.2) / 2 + s2 / 1) / 2)
+    # veRL 0.9 (changed from 0.7.1, which forced seq-mean-token-mean): loss_agg_mode is honoured.
+    loss, metrics = policy_loss("gspo", old, log_prob, adv, mask, loss_agg_mode="token-mean")
+    close(loss, (-1.2 - 1.2 + s2) / 3)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 3)
     assert metrics["actor/ppo_kl"] == pytest.approx(-(0.1 + 0.3 - 0.05) / 3, rel=1e-5)
     assert metrics["actor/pg_clipfrac_lower"] == 0.0
     (grad,) = torch.autograd.grad(loss, log_prob)
-    # Clipped sequence: no gradient. Sequence 2: d/dlogp(-A * s) = -A * s, / 1 token / 2 sequences.
+    # Clipped sequence: no gradient. Sequence 2: d/dlogp(-A * s) = -A * s, / 3 valid tokens.
+    close(grad, [[0.0, 0.0], [s2 / 3, 0.0]])
+    # seq-mean-token-mean: mean over sequences of per-sequence token means (0.7.1's forced choice).
+    loss, _ = policy_loss("gspo", old, log_prob, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    close(loss, ((-1.2 - 1.2) / 2 + s2 / 1) / 2)
+    (grad,) = torch.autograd.grad(loss, log_prob)
     close(grad, [[0.0, 0.0], [s2 / 2, 0.0]])
 
 
@@ -542,7 +550,8 @@ def test_policy_loss_unknown_mode():
     with pytest.raises(ValueError, match="'vanila'") as info:
         policy_loss("vanila", old, log_prob, adv, mask)
     assert str(info.value).split("nearest first):")[1].strip().startswith("vanilla")
-    assert set(POLICY_LOSS_MODES) == {"vanilla", "gspo", "gpg", "cispo"}
+    assert set(POLICY_LOSS_MODES) == {"vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+                                      "geo_mean", "dro", "cispo"}
     with pytest.raises(ValueError, match="aggregation"):
         policy_loss("gspo", old, log_prob, adv, mask, loss_agg_mode="seq-mean")
 
@@ -551,7 +560,7 @@ def test_policy_losses_do_not_mutate_inputs():
     old, log_prob, adv, mask = pg_inputs()
     snapshot = [x.detach().clone() for x in (old, log_prob, adv, mask)]
     for mode in POLICY_LOSS_MODES:
-        loss, _ = policy_loss(mode, old, log_prob, adv, mask)
+        loss, _ = policy_loss(mode, old, log_prob, adv, mask, dro_beta=0.5, generator=0)
         loss.backward()
     for before, after in zip(snapshot, (old, log_prob, adv, mask)):
         assert torch.equal(before, after.detach())
@@ -629,7 +638,8 @@ def test_masked_positions_do_not_affect_loss_or_grads(batch, mode, agg_mode):
 
     def run(o, n, a):
         n = n.clone().requires_grad_()
-        loss, metrics = policy_loss(mode, o, n, a, mask, loss_agg_mode=agg_mode, clip_ratio_high=0.28)
+        loss, metrics = policy_loss(mode, o, n, a, mask, loss_agg_mode=agg_mode, clip_ratio_high=0.28,
+                                    dro_beta=0.5, generator=seed)
         (grad,) = torch.autograd.grad(loss, n)
         return loss.detach(), grad, metrics
 
@@ -660,6 +670,8 @@ def test_vanilla_without_clipping_is_minus_advantage_times_ratio(batch, agg_mode
     non_empty = [r for r in rows if r]
     if agg_mode == "token-mean":
         expected = sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    elif agg_mode == "token-sum":
+        expected = sum(sum(r) for r in rows)
     elif agg_mode == "seq-mean-token-mean":
         expected = sum(sum(r) / len(r) for r in non_empty) / len(non_empty)
     else:
@@ -696,18 +708,22 @@ def test_cuda_matches_cpu():
     rewards, mask = outcome_rewards(SCORES, LENGTHS, L)
     values, baselines = torch.randn(6, L), torch.rand(6)
     index = ["a", "a", "b", "b", "c", "c"]
+    old_logprobs, sum_pi_squared = -torch.rand(6, L), torch.rand(6, L)
     for name in ESTIMATORS:
-        cpu = advantage(name, rewards, mask, index=index, values=values, reward_baselines=baselines)
+        cpu = advantage(name, rewards, mask, index=index, values=values, reward_baselines=baselines,
+                        old_logprobs=old_logprobs, sum_pi_squared=sum_pi_squared)
         gpu = advantage(name, rewards.cuda(), mask.cuda(), index=index, values=values.cuda(),
-                        reward_baselines=baselines.cuda())
+                        reward_baselines=baselines.cuda(), old_logprobs=old_logprobs.cuda(),
+                        sum_pi_squared=sum_pi_squared.cuda())
         close(gpu[0].cpu(), cpu[0], atol=1e-5)
         close(gpu[1].cpu(), cpu[1], atol=1e-5)
     old, log_prob, adv, pmask = pg_inputs()
     for mode in POLICY_LOSS_MODES:
         for agg_mode in AGG_MODES:
-            cpu_loss, cpu_metrics = policy_loss(mode, old, log_prob, adv, pmask, loss_agg_mode=agg_mode)
+            cpu_loss, cpu_metrics = policy_loss(mode, old, log_prob, adv, pmask, loss_agg_mode=agg_mode,
+                                                dro_beta=0.5, generator=0)
             gpu_loss, gpu_metrics = policy_loss(mode, old.cuda(), log_prob.detach().cuda(), adv.cuda(), pmask.cuda(),
-                                                loss_agg_mode=agg_mode)
+                                                loss_agg_mode=agg_mode, dro_beta=0.5, generator=0)
             close(gpu_loss.cpu(), cpu_loss.detach(), atol=1e-5)
             assert gpu_metrics.keys() == cpu_metrics.keys()
     for kind in KL_KINDS:

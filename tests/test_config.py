@@ -39,7 +39,7 @@ def test_bad_value_names_key_and_value():
         load_config(None, ["rollout.n=zero"])
     assert "rollout.n" in str(err.value) and "zero" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["actor.loss_agg_mode=token-sum"])
+        load_config(None, ["actor.loss_agg_mode=token-summ"])
     assert "actor.loss_agg_mode" in str(err.value)
 
 

@@ -51,7 +51,10 @@ GROUPS: dict[str, pa.Schema] = {
         ("acc", pa.float32()),
         ("reward_extra", pa.string()),
     ),
-    "old_logprob": _schema(("old_logprobs", _TOKEN_FLOATS), ("entropy", _TOKEN_FLOATS)),
+    # sum_pi_squared (optional): sum over the vocabulary of the squared token probabilities, written
+    # only when algorithm.adv_estimator=optimal_token_baseline needs it (veRL's `sum_pi_squared`).
+    "old_logprob": _schema(("old_logprobs", _TOKEN_FLOATS), ("entropy", _TOKEN_FLOATS),
+                           ("sum_pi_squared", _TOKEN_FLOATS)),
     "ref_logprob": _schema(("ref_logprobs", _TOKEN_FLOATS)),
     "values": _schema(("values", _TOKEN_FLOATS)),
     "gen_max": _schema(("reward_baselines", pa.float32())),
@@ -73,9 +76,13 @@ GROUPS: dict[str, pa.Schema] = {
 }
 
 PER_TOKEN_COLUMNS: set[str] = {
-    "response_mask", "rollout_logprobs", "old_logprobs", "entropy", "ref_logprobs", "values",
+    "response_mask", "rollout_logprobs", "old_logprobs", "entropy", "sum_pi_squared", "ref_logprobs", "values",
     "token_level_rewards", "advantages", "returns",
 }
+
+# Columns of a group that a stage writes only when the configuration asks for them: a table of the
+# group either has the column (with the group's type) or lacks it; nothing else may be missing.
+OPTIONAL_COLUMNS: dict[str, frozenset[str]] = {"old_logprob": frozenset({"sum_pi_squared"})}
 
 FINISH_REASONS = ("stop", "length")
 
@@ -89,11 +96,15 @@ class BatchError(ValueError):
         self.column = column
 
 
-def _schema_of(group: str) -> pa.Schema:
+def _schema_of(group: str, present: Iterable[str] | None = None) -> pa.Schema:
+    """``group``'s schema; with ``present`` (the column names of a table), less the optional columns
+    the table does not have."""
     try:
-        return GROUPS[group]
+        schema = GROUPS[group]
     except KeyError:
         raise BatchError(f"unknown column group {group!r}; known groups: {', '.join(GROUPS)}") from None
+    absent = OPTIONAL_COLUMNS.get(group, frozenset()) - set(present if present is not None else schema.names)
+    return pa.schema([f for f in schema if f.name not in absent]) if absent else schema
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +116,7 @@ def make_table(group: str, columns: dict[str, Any]) -> pa.Table:
 
     List columns also accept a sequence of 1-D numpy arrays or torch tensors (one per row).
     """
-    schema = _schema_of(group)
+    schema = _schema_of(group, columns)
     source = f"make_table({group!r})"
     _check_column_names(group, schema, list(columns), source)
     arrays = [_to_arrow(columns[f.name], f.type, source, f.name) for f in schema]
@@ -117,12 +128,13 @@ def make_table(group: str, columns: dict[str, Any]) -> pa.Table:
 
 def validate(group: str, table: pa.Table, source: str) -> pa.Table:
     """Check ``table`` against ``group``'s schema; return it cast to the schema, in schema order."""
-    schema = _schema_of(group)
+    _schema_of(group)  # unknown group: fail first
     if isinstance(table, pa.RecordBatch):
         table = pa.Table.from_batches([table])
     if not isinstance(table, pa.Table):
         raise BatchError(f"{source}: expected a pyarrow.Table for group {group!r}, got "
                          f"{type(table).__name__}", source=source)
+    schema = _schema_of(group, table.column_names)
     _check_column_names(group, schema, table.column_names, source)
     columns = [_cast_column(table.column(f.name), f, source) for f in schema]
     table = pa.Table.from_arrays(columns, schema=schema)
@@ -414,7 +426,7 @@ def to_torch_padded(table: pa.Table, column: str, pad_value: float | int = 0,
 
 
 __all__ = [
-    "GROUPS", "PER_TOKEN_COLUMNS", "FINISH_REASONS", "BatchError", "make_table", "validate",
+    "GROUPS", "PER_TOKEN_COLUMNS", "OPTIONAL_COLUMNS", "FINISH_REASONS", "BatchError", "make_table", "validate",
     "write_group", "read_group", "join", "to_torch_padded", "check_token_lengths",
     "table_from_parquet_bytes",
 ]

@@ -93,7 +93,7 @@ class RolloutConfig(Section):
 
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus",
-                       "reinforce_plus_plus_baseline", "remax"]
+                       "reinforce_plus_plus_baseline", "remax", "gdpo", "optimal_token_baseline"]
 
 
 class KLControlConfig(Section):
@@ -123,6 +123,35 @@ class AlgorithmConfig(Section):
     kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
     kl_ctrl: KLControlConfig = KLControlConfig()
     filter_groups: FilterGroupsConfig = FilterGroupsConfig()
+    # GDPO (veRL 0.9): the keys of the reward function's returned dict that are the reward dimensions,
+    # each normalised within its prompt group, then summed with these weights (null: all 1).
+    gdpo_reward_keys: Optional[list[str]] = None
+    gdpo_reward_weights: Optional[list[float]] = None
+
+    @property
+    def needs_sum_pi_squared(self) -> bool:
+        """Whether the old_logprob stage writes sum_pi_squared (veRL's actor.calculate_sum_pi_squared)."""
+        return self.adv_estimator == "optimal_token_baseline"
+
+    @model_validator(mode="after")
+    def _check_gdpo(self) -> "AlgorithmConfig":
+        keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
+        if self.adv_estimator == "gdpo":
+            if not keys:
+                raise ValueError(
+                    "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the keys of the dict your reward "
+                    "function returns that are the reward dimensions to normalise one by one (e.g. "
+                    "[format_reward, accuracy_reward]); a reward that returns a single float has one dimension, "
+                    "which is grpo")
+            if not self.norm_adv_by_std_in_grpo:
+                raise ValueError(
+                    "algorithm.adv_estimator=gdpo with algorithm.norm_adv_by_std_in_grpo=false: veRL 0.9.1 always "
+                    "divides each reward dimension by its group std for gdpo (the flag is not passed to it); "
+                    "remove the flag, or use grpo for Dr.GRPO")
+        if weights is not None and len(weights) != len(keys or []):
+            raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} weight(s) for "
+                             f"{len(keys or [])} algorithm.gdpo_reward_keys; give one weight per key (or null)")
+        return self
 
 
 class ActorConfig(Section):
@@ -138,16 +167,38 @@ class ActorConfig(Section):
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
     clip_ratio_c: float = Field(3.0, gt=1)
-    # Policy loss (veRL's actor.policy_loss.loss_mode): vanilla PPO-clip (with dual-clip and
-    # DAPO's clip-higher via clip_ratio_low/high), gspo, gpg or cispo.
-    loss_mode: Literal["vanilla", "gspo", "gpg", "cispo"] = "vanilla"
+    # Policy loss (veRL's actor.policy_loss.loss_mode, kfrl.algos.losses): vanilla PPO-clip (with
+    # dual-clip and DAPO's clip-higher via clip_ratio_low/high), dppo_tv, dppo_kl, gspo, sapo, gpg,
+    # clip_cov, kl_cov, geo_mean, dro or cispo.
+    loss_mode: Literal["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+                       "geo_mean", "dro", "cispo"] = "vanilla"
     loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
+    # Knobs of the policy losses, veRL's names and defaults (veRL: actor.tau_pos / actor.tau_neg and
+    # actor.policy_loss.<knob>). sapo: gate temperatures for A > 0 / A <= 0.
+    tau_pos: float = Field(1.0, gt=0)
+    tau_neg: float = Field(1.05, gt=0)
+    # clip_cov: share of valid tokens to clip, among those with clip_cov_lb < cov < clip_cov_ub.
+    clip_cov_ratio: float = Field(0.0002, gt=0)
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    # kl_cov: share of valid tokens (largest covariance) given ppo_kl_coef * |log-ratio|.
+    kl_cov_ratio: float = Field(0.0002, gt=0)
+    ppo_kl_coef: float = 0.1
+    # dro: the quadratic log-ratio penalty; required (> 0) when loss_mode is dro.
+    dro_beta: Optional[float] = None
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+
+    @model_validator(mode="after")
+    def _check_policy_loss(self) -> "ActorConfig":
+        if self.loss_mode == "dro" and (self.dro_beta is None or not self.dro_beta > 0):
+            raise ValueError(f"actor.loss_mode=dro needs a positive actor.dro_beta (veRL's "
+                             f"actor_rollout_ref.actor.policy_loss.dro_beta), got {self.dro_beta}")
+        return self
 
 
 class CriticConfig(Section):

@@ -1,4 +1,4 @@
-"""Pure torch RL math with veRL v0.7.1 semantics: advantage estimators, policy/value losses,
+"""Pure torch RL math with veRL v0.7.1 semantics (policy losses and token-sum: v0.9.1): advantage estimators, policy/value losses,
 loss aggregation, KL estimators and controllers, masked statistics."""
 from kfrl.algos.advantages import ESTIMATORS, advantage
 from kfrl.algos.core import (
@@ -16,12 +16,25 @@ from kfrl.algos.core import (
     masked_var,
     masked_whiten,
 )
-from kfrl.algos.losses import POLICY_LOSS_MODES, actor_loss, policy_loss, value_loss
+from kfrl.algos.losses import (
+    POLICY_LOSS_MODES,
+    POLICY_LOSS_REGISTRY,
+    PolicyLossParams,
+    actor_loss,
+    get_policy_loss_fn,
+    policy_loss,
+    register_policy_loss,
+    value_loss,
+)
 
 __all__ = [
     "advantage",
     "actor_loss",
     "policy_loss",
+    "register_policy_loss",
+    "get_policy_loss_fn",
+    "PolicyLossParams",
+    "POLICY_LOSS_REGISTRY",
     "value_loss",
     "agg_loss",
     "kl_penalty",

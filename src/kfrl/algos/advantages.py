@@ -1,7 +1,8 @@
 """Advantage estimators: `advantage(estimator, token_level_rewards, response_mask, ...)`.
 
 Each estimator turns per-token rewards of shape (bs, L) into `(advantages, returns)` of the same
-shape, with veRL v0.7.1's numbers (`verl/trainer/ppo/core_algos.py`). Outcome-reward estimators
+shape, with veRL v0.7.1's numbers (`verl/trainer/ppo/core_algos.py`); gdpo and
+optimal_token_baseline, added to veRL later, follow veRL 0.9.1. Outcome-reward estimators
 use the sequence score s_i = sum_t r_it (the reward sits on the last valid token) and compare it
 with the other responses to the same prompt: the group of i is every j with index[j] == index[i].
 
@@ -218,6 +219,74 @@ def remax_advantage(rewards, mask, reward_baselines):
 
 
 # ---------------------------------------------------------------------------------------------
+# veRL 0.9 additions: GDPO (several reward dimensions) and the optimal token baseline.
+# ---------------------------------------------------------------------------------------------
+
+
+def gdpo_advantage(dimension_scores, mask, groups: _Groups, weights=None, epsilon: float = 1e-6):
+    """GDPO (arXiv:2601.05242; veRL 0.9 `compute_gdpo_outcome_advantage`): each reward dimension k is
+    normalised within its prompt group on its own, A_k,i = (s_k,i - mean_g(s_k)) / (std_g(s_k) + eps)
+    (GRPO's rule: unbiased std, singleton mean 0 / std 1), then A_i = sum_k w_k A_k,i is broadcast
+    over the valid tokens and whitened over all valid tokens of the batch, and re-masked.
+
+    dimension_scores: (K, bs), one row per dimension; weights: K floats (None: all 1).
+    """
+    if weights is None:
+        weights = [1.0] * dimension_scores.shape[0]
+    if len(weights) != dimension_scores.shape[0]:
+        raise ValueError(f"gdpo: {len(weights)} weight(s) for {dimension_scores.shape[0]} reward dimension(s)")
+    # float32 weights, as veRL's torch.tensor(weights, dtype=float32).
+    weights = torch.tensor([float(w) for w in weights], dtype=torch.float32).to(dimension_scores)
+    combined = sum(weights[k] * grpo_advantage(dimension_scores[k], mask, groups, True, epsilon)[0]
+                   for k in range(dimension_scores.shape[0]))
+    advantages = masked_whiten(combined, mask) * mask
+    return advantages, advantages.clone()
+
+
+def optimal_token_baseline_advantage(rewards, mask, groups: _Groups, old_logprobs, sum_pi_squared,
+                                     rollout_is_weights=None, handle_zero_tail: bool = True,
+                                     epsilon: float = 1e-8):
+    """Optimal token baseline (veRL 0.9 `compute_optimal_token_baseline_advantage`): a baseline per
+    time step and prompt group, weighted by a cumulative path-variance proxy.
+
+        G_t = sum_{t' >= t} r_t' m_t'                    (reward-to-go; returns)
+        w_t = (1 - 2 exp(old_logprob_t) + sum_v pi_t(v)^2) * rho_t^2   (rho: rollout IS weights, or 1)
+        W_t = sum_{j <= t} w_j m_j                         (prefix sum, from the first token)
+        B_t = sum_{i in g} G_it W_it m_it / (sum_{i in g} W_it m_it + eps)
+        A_t = (G_t - B_t) m_t
+
+    A singleton group has B = 0 (A = G). With ``handle_zero_tail``, when one response of a group is
+    strictly the longest (length = number of valid tokens), its baseline is 0 from position
+    "second-longest length" on, where no other response of the group has a token.
+    """
+    returns = (rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    per_step = 1 - 2 * old_logprobs.exp() + sum_pi_squared
+    if rollout_is_weights is not None:
+        per_step = per_step * rollout_is_weights ** 2
+    path_weight = (per_step * mask).cumsum(dim=-1)
+    numerator = returns.new_zeros(groups.num_groups, returns.shape[1]).index_add(
+        0, groups.ids, returns * path_weight * mask)
+    denominator = returns.new_zeros(groups.num_groups, returns.shape[1]).index_add(
+        0, groups.ids, path_weight * mask) + epsilon
+    in_group = (groups.size_of_sample > 1).unsqueeze(-1)
+    baselines = torch.where(in_group, (numerator / denominator)[groups.ids], torch.zeros_like(returns))
+    if handle_zero_tail:
+        lengths = mask.sum(dim=-1)
+        longest = lengths.new_full((groups.num_groups,), float("-inf")).scatter_reduce(
+            0, groups.ids, lengths, reduce="amax")[groups.ids]
+        is_longest = lengths == longest
+        count_longest = groups.total(is_longest.to(lengths.dtype))[groups.ids]
+        second_longest = lengths.new_full((groups.num_groups,), float("-inf")).scatter_reduce(
+            0, groups.ids, lengths.masked_fill(is_longest, float("-inf")), reduce="amax")[groups.ids]
+        alone = is_longest & (count_longest == 1) & (groups.size_of_sample > 1)
+        position = torch.arange(returns.shape[1], device=returns.device, dtype=lengths.dtype)
+        tail = alone.unsqueeze(-1) & (position >= second_longest.unsqueeze(-1))
+        baselines = baselines.masked_fill(tail, 0.0)
+    advantages = (returns - baselines) * mask
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------------
 # The registry (veRL's @register_adv_est): each estimator by name, called with AdvantageInputs.
 # ---------------------------------------------------------------------------------------------
 
@@ -236,6 +305,11 @@ class AdvantageInputs:
     lam: float
     norm_adv_by_std: bool
     epsilon: float
+    reward_dimensions: torch.Tensor | None = None  # (bs, K): gdpo's reward dimensions
+    reward_weights: Sequence[float] | None = None  # K weights of gdpo's dimensions (None: all 1)
+    old_logprobs: torch.Tensor | None = None  # (bs, L): optimal_token_baseline's pi_t = exp(old log-prob)
+    sum_pi_squared: torch.Tensor | None = None  # (bs, L): sum over the vocabulary of pi_t(v)^2
+    rollout_is_weights: torch.Tensor | None = None  # (bs, L): truncated rollout IS weights, if any
 
     @cached_property
     def scores(self) -> torch.Tensor:
@@ -296,6 +370,35 @@ def _remax(x: AdvantageInputs):
     return remax_advantage(x.rewards, x.mask, x.reward_baselines)
 
 
+@register_adv_est("gdpo")
+def _gdpo(x: AdvantageInputs):
+    # Without dimensions, veRL falls back to one dimension: the token-level rewards' sum.
+    if x.reward_dimensions is None:
+        dimensions = x.scores.unsqueeze(0)
+    else:
+        dimensions = x.reward_dimensions.detach().to(x.rewards.dtype)
+        if dimensions.dim() != 2 or dimensions.shape[0] != x.rewards.shape[0]:
+            raise ValueError(f"gdpo: reward_dimensions must be (bs, K) = ({x.rewards.shape[0]}, K); "
+                             f"got {tuple(dimensions.shape)}")
+        dimensions = dimensions.T
+    return gdpo_advantage(dimensions, x.mask, x.groups, x.reward_weights, x.epsilon)
+
+
+@register_adv_est("optimal_token_baseline")
+def _optimal_token_baseline(x: AdvantageInputs):
+    for name in ("old_logprobs", "sum_pi_squared"):
+        tensor = getattr(x, name)
+        if tensor is None:
+            raise ValueError(f"optimal_token_baseline needs `{name}` (bs, L) from the old-logprob pass")
+        if tensor.shape != x.rewards.shape:
+            raise ValueError(f"optimal_token_baseline: `{name}` is {tuple(tensor.shape)}, expected "
+                             f"{tuple(x.rewards.shape)}")
+    weights = None if x.rollout_is_weights is None else x.rollout_is_weights.detach().to(x.rewards.dtype)
+    # veRL's trainer passes neither epsilon nor handle_zero_tail: its defaults (1e-8, True) apply.
+    return optimal_token_baseline_advantage(x.rewards, x.mask, x.groups, x.old_logprobs.detach().to(x.rewards.dtype),
+                                            x.sum_pi_squared.detach().to(x.rewards.dtype), weights)
+
+
 ESTIMATORS: tuple[str, ...] = tuple(_REGISTRY)
 
 
@@ -311,13 +414,22 @@ def advantage(
     lam: float = 1.0,
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
+    reward_dimensions: torch.Tensor | None = None,
+    reward_weights: Sequence[float] | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compute `(advantages, returns)`, both (bs, L), with the named estimator.
 
     estimator: one of ESTIMATORS. `index` (prompt-group ids) is required by the group estimators,
     `values` by "gae", `reward_baselines` by "remax". `gamma` is used by gae and
     reinforce_plus_plus, `lam` by gae, `norm_adv_by_std` (False = Dr.GRPO) and `epsilon` by grpo
-    and grpo_passk. Gradients never flow through the result (computed under no_grad).
+    and grpo_passk. "gdpo" reads `reward_dimensions` (bs, K) and `reward_weights` (K; None = all 1),
+    always divides by the group std and uses `epsilon` (without dimensions it uses the rewards' sum as
+    its one dimension); "optimal_token_baseline" reads `old_logprobs` and `sum_pi_squared` (bs, L)
+    and optionally `rollout_is_weights` (bs, L), with its own epsilon 1e-8 as in veRL.
+    Gradients never flow through the result (computed under no_grad).
     """
     estimator = resolve_choice(estimator, ESTIMATORS, "advantage estimator")
     if token_level_rewards.dim() != 2 or response_mask.shape != token_level_rewards.shape:
@@ -329,4 +441,5 @@ def advantage(
         # A float copy of the mask, so that (1 - mask) and products work for bool/int masks too.
         mask = response_mask.detach().to(rewards.dtype)
         return _REGISTRY[estimator](AdvantageInputs(rewards, mask, index, values, reward_baselines, gamma, lam,
-                                                    norm_adv_by_std, epsilon))
+                                                    norm_adv_by_std, epsilon, reward_dimensions, reward_weights,
+                                                    old_logprobs, sum_pi_squared, rollout_is_weights))

@@ -18,6 +18,7 @@ import torch
 
 AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -139,6 +140,8 @@ def agg_loss(
     """Reduce a (bs, L) per-token loss to a scalar, veRL's `agg_loss` with dp_size = 1.
 
     - "token-mean": sum over valid tokens / number of valid tokens (every token weighs the same).
+    - "token-sum": sum over valid tokens, not normalised (veRL >= 0.9; with dp_size = 1 its
+      dp_size factor is 1, and batch_num_tokens / global_batch_size do not apply).
     - "seq-mean-token-sum": per-sequence token sums, averaged over non-empty sequences.
     - "seq-mean-token-mean": per-sequence token means, averaged over non-empty sequences
       (every sequence weighs the same, whatever its length).
@@ -154,6 +157,8 @@ def agg_loss(
     if mode == "token-mean":
         denominator = mask.sum() if batch_num_tokens is None else batch_num_tokens
         return masked_sum(loss_mat, mask) / denominator
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
 
     tokens_per_sequence = mask.sum(dim=-1)
     # Sequences with no valid token (e.g. fully masked tool turns) do not count in the mean.

@@ -10,6 +10,9 @@ from kfrl.engines.inference import forward_response
 from kfrl.engines.minibatch import mean_metrics, optimize
 from kfrl.trajectory import Trajectories
 
+# Added to the stage seed for the policy loss's generator (a stream apart from the shuffle's).
+LOSS_GENERATOR_SEED_OFFSET = 0x10557
+
 
 def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, mini_batch_size: int,
                  temperature: float, autocast_dtype=None, seed: int = 0, progress=None,
@@ -21,6 +24,10 @@ def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, min
 
     full = trajectories.to(next(model.parameters()).device)
     on_policy = full.get("old_logprobs") is None
+    # Random choices inside the loss (clip_cov's pick among candidate tokens) come from a generator
+    # seeded by the stage's seed (run seed and iteration), so a retried update computes the same
+    # loss. Its stream is kept apart from the mini-batch shuffle, which is seeded with `seed` itself.
+    loss_generator = torch.Generator().manual_seed((seed + LOSS_GENERATOR_SEED_OFFSET) % 2**63)
     metrics: dict[str, list[float]] = defaultdict(list)
 
     def micro_step(rows: torch.Tensor) -> torch.Tensor:
@@ -37,7 +44,10 @@ def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, min
             clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
             clip_ratio_c=actor_cfg.clip_ratio_c, entropy=entropy, entropy_coeff=actor_cfg.entropy_coeff,
             ref_log_prob=batch.get("ref_logprobs"), kl_loss_type=actor_cfg.kl_loss_type,
-            kl_loss_coef=actor_cfg.kl_loss_coef)
+            kl_loss_coef=actor_cfg.kl_loss_coef, tau_pos=actor_cfg.tau_pos, tau_neg=actor_cfg.tau_neg,
+            clip_cov_ratio=actor_cfg.clip_cov_ratio, clip_cov_lb=actor_cfg.clip_cov_lb,
+            clip_cov_ub=actor_cfg.clip_cov_ub, kl_cov_ratio=actor_cfg.kl_cov_ratio,
+            ppo_kl_coef=actor_cfg.ppo_kl_coef, dro_beta=actor_cfg.dro_beta, generator=loss_generator)
         for key, value in stats.items():
             metrics[key].append(value)
         return loss

@@ -32,22 +32,31 @@ def response_logits(model, batch: Trajectories) -> torch.Tensor:
     return model.get_output_embeddings()(response_hidden(model, batch))
 
 
-def _token_stats(hidden, targets, head, temperature: float, with_entropy: bool, autocast_dtype):
-    """Log-probs of ``targets`` and entropies (or None) for a (N, H) chunk of hidden states."""
+def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """sum_v softmax(logits)_v ** 2 over the last axis, as exp(logsumexp(2z) - 2 logsumexp(z)): no
+    probability tensor is formed and nothing underflows to a spurious 0 before the sum."""
+    return torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * torch.logsumexp(logits, dim=-1))
+
+
+def _token_stats(hidden, targets, head, temperature: float, with_entropy: bool, autocast_dtype,
+                 with_sum_pi_squared: bool = False):
+    """Log-probs of ``targets``, entropies (or None) and the sum over the vocabulary of the squared
+    probabilities (or None) for a (N, H) chunk of hidden states, all under softmax(logits / T)."""
     from kfrl.algos import entropy_from_logits
 
     with autocast(hidden.device.type, autocast_dtype):
         logits = head(hidden)
     logits = logits.float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return log_probs, (entropy_from_logits(logits) if with_entropy else None)
+    return (log_probs, entropy_from_logits(logits) if with_entropy else None,
+            sum_pi_squared_from_logits(logits) if with_sum_pi_squared else None)
 
 
-def forward_response(model, batch: Trajectories, temperature: float, with_entropy: bool,
-                     autocast_dtype: torch.dtype | None = None):
-    """(log_probs (B, L), entropy (B, L) or None); differentiable when grad is enabled. The LM head,
-    softmax and entropy run over chunks of positions (``LOGIT_CHUNK_ELEMENTS``), so the full
-    (B, L, V) fp32 logits never exist."""
+def forward_token_stats(model, batch: Trajectories, temperature: float, with_entropy: bool,
+                        autocast_dtype: torch.dtype | None = None, with_sum_pi_squared: bool = False):
+    """(log_probs (B, L), entropy (B, L) or None, sum_pi_squared (B, L) or None); differentiable when
+    grad is enabled. The LM head, softmax, entropy and sum of squared probabilities run over chunks of
+    positions (``LOGIT_CHUNK_ELEMENTS``), so the full (B, L, V) fp32 logits never exist."""
     from torch.utils.checkpoint import checkpoint
 
     with autocast(batch.input_ids.device.type, autocast_dtype):
@@ -60,25 +69,44 @@ def forward_response(model, batch: Trajectories, temperature: float, with_entrop
     parts = []
     for start in range(0, len(flat), chunk):
         args = (flat[start:start + chunk], targets[start:start + chunk], head, temperature, with_entropy,
-                autocast_dtype)
+                autocast_dtype, with_sum_pi_squared)
         parts.append(checkpoint(_token_stats, *args, use_reentrant=False) if recompute else _token_stats(*args))
-    log_probs = torch.cat([lp for lp, _ in parts]).view(rows, length)
-    entropy = torch.cat([ent for _, ent in parts]).view(rows, length) if with_entropy else None
+
+    def joined(k: int, wanted: bool):
+        return torch.cat([part[k] for part in parts]).view(rows, length) if wanted else None
+
+    return joined(0, True), joined(1, with_entropy), joined(2, with_sum_pi_squared)
+
+
+def forward_response(model, batch: Trajectories, temperature: float, with_entropy: bool,
+                     autocast_dtype: torch.dtype | None = None):
+    """(log_probs (B, L), entropy (B, L) or None): ``forward_token_stats`` without the sum of squared
+    probabilities."""
+    log_probs, entropy, _ = forward_token_stats(model, batch, temperature, with_entropy, autocast_dtype)
     return log_probs, entropy
 
 
 @torch.no_grad()
+def compute_token_stats(model, trajectories: Trajectories, *, temperature: float, micro_batch_size: int,
+                        with_entropy: bool, with_sum_pi_squared: bool = False, autocast_dtype=None):
+    """(log-probs (B, L), entropies or None, sums over the vocabulary of the squared probabilities or
+    None) of the response tokens, micro-batched; positions past a response's length hold no meaning
+    (``Trajectories.unpad`` drops them)."""
+    device = next(model.parameters()).device
+    trajectories = trajectories.to(device)
+    parts = [forward_token_stats(model, trajectories.select(slice(start, start + micro_batch_size)), temperature,
+                                 with_entropy, autocast_dtype, with_sum_pi_squared)
+             for start in range(0, len(trajectories), micro_batch_size)]
+    return (torch.cat([p[0] for p in parts]),
+            torch.cat([p[1] for p in parts]) if with_entropy else None,
+            torch.cat([p[2] for p in parts]) if with_sum_pi_squared else None)
+
+
 def compute_logprobs(model, trajectories: Trajectories, *, temperature: float, micro_batch_size: int,
                      with_entropy: bool, autocast_dtype=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, L) of the response tokens (and entropies, or None), micro-batched; positions past
     a response's length hold no meaning (``Trajectories.unpad`` drops them)."""
-    device = next(model.parameters()).device
-    trajectories = trajectories.to(device)
-    logprobs, entropies = [], []
-    for start in range(0, len(trajectories), micro_batch_size):
-        batch = trajectories.select(slice(start, start + micro_batch_size))
-        log_probs, entropy = forward_response(model, batch, temperature, with_entropy, autocast_dtype)
-        logprobs.append(log_probs)
-        if with_entropy:
-            entropies.append(entropy)
-    return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
+    logprobs, entropies, _ = compute_token_stats(model, trajectories, temperature=temperature,
+                                                 micro_batch_size=micro_batch_size, with_entropy=with_entropy,
+                                                 autocast_dtype=autocast_dtype)
+    return logprobs, entropies

@@ -51,7 +51,9 @@ def _no_ref(config, iteration) -> str:
 
 
 def _on_policy(config, iteration) -> str:
-    if config.recompute_old_logprobs:
+    # optimal_token_baseline reads the old log-probs and their Σπ² before the update, so the pass runs
+    # even on-policy (as for the KL in the reward); the rollout's log-probs come without Σπ².
+    if config.recompute_old_logprobs or config.algorithm.needs_sum_pi_squared:
         return ""
     return "on-policy: one mini-batch and one epoch make old log-probs equal to the update's own"
 

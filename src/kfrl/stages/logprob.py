@@ -6,33 +6,42 @@ from kfrl.run import INIT_ITERATION
 from kfrl.stages.context import StageContext
 
 
-def _logprobs(ctx: StageContext, table, weights_iteration: int, with_entropy: bool):
-    """Per-sample lists of log-probs (and entropies) under the policy after ``weights_iteration``."""
-    from kfrl.engines.inference import compute_logprobs
+def _logprobs(ctx: StageContext, table, weights_iteration: int, with_entropy: bool,
+              with_sum_pi_squared: bool = False):
+    """Per-sample lists of log-probs (and entropies, and sums over the vocabulary of the squared
+    probabilities; None when not asked for) under the policy after ``weights_iteration``."""
+    from kfrl.engines.inference import compute_token_stats
     from kfrl.trajectory import Trajectories
 
     manifest = ctx.policy_manifest(weights_iteration)
     tokenizer = ctx.load_tokenizer(manifest)
     trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0)
-    logprobs, entropy = compute_logprobs(
+    logprobs, entropy, sum_pi_squared = compute_token_stats(
         ctx.load_model(manifest), trajectories, temperature=ctx.config.rollout.temperature,
         micro_batch_size=ctx.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=with_entropy,
-        autocast_dtype=ctx.compute_dtype)
-    return trajectories.unpad(logprobs), (trajectories.unpad(entropy) if with_entropy else None)
+        with_sum_pi_squared=with_sum_pi_squared, autocast_dtype=ctx.compute_dtype)
+    return (trajectories.unpad(logprobs), (trajectories.unpad(entropy) if with_entropy else None),
+            (trajectories.unpad(sum_pi_squared) if with_sum_pi_squared else None))
 
 
 def old_logprob(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
-    logprobs, entropy = _logprobs(ctx, table, ctx.iteration - 1, with_entropy=True)
+    # veRL's actor.calculate_sum_pi_squared, on exactly when the estimator reads it (a vocabulary-sized
+    # pass per chunk of positions, like the entropy).
+    with_sum_pi_squared = ctx.config.algorithm.needs_sum_pi_squared
+    logprobs, entropy, sum_pi_squared = _logprobs(ctx, table, ctx.iteration - 1, with_entropy=True,
+                                                  with_sum_pi_squared=with_sum_pi_squared)
     masks = table.column("response_mask").to_pylist()
     # Token-mean over the whole batch, as veRL's actor/entropy.
     total = sum(e * m for row, mask in zip(entropy, masks) for e, m in zip(row, mask))
     count = sum(sum(mask) for mask in masks)
     columns = {"sample_id": table.column("sample_id").to_pylist(), "old_logprobs": logprobs, "entropy": entropy}
+    if with_sum_pi_squared:
+        columns["sum_pi_squared"] = sum_pi_squared
     return columns, {"actor/entropy": total / max(count, 1)}
 
 
 def ref_logprob(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
-    logprobs, _ = _logprobs(ctx, table, INIT_ITERATION, with_entropy=False)
+    logprobs, _, _ = _logprobs(ctx, table, INIT_ITERATION, with_entropy=False)
     return {"sample_id": table.column("sample_id").to_pylist(), "ref_logprobs": logprobs}, {}
 
 
