@@ -33,10 +33,12 @@ class InlineRunner:
                 raise IterationFailed(f"iteration {iteration}, stage {stage}: {type(err).__name__}: {err}") from err
 
     def close(self) -> None:
-        """Finish the trainer-state writes still running in this process."""
+        """Finish the trainer-state writes still running in this process; stages called here later
+        (not through this runner) write theirs before they return again."""
         from kfrl.stages import update
 
         update.drain()
+        update.write_states_in_background(False)
 
 
 _LOCAL_ROOT: str | None = None
