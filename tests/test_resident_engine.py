@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -16,6 +15,7 @@ from kfrl.config import load_config
 from kfrl.controller import train
 from kfrl.run import Run
 from kfrl.stages import STAGES
+from run_tables import committed_tables
 
 pytestmark = pytest.mark.slow
 
@@ -23,18 +23,6 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4", "data.max_response_length=16",
          "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_generations=0", "trainer.val_before_train=false",
          "pipeline.fuse=none", "pipeline.runner=local"]
-
-
-def committed_tables(run: Run, iterations) -> dict[tuple[int, str], object]:
-    tables = {}
-    for iteration in iterations:
-        for stage in STAGES:
-            manifest = run.manifest(stage, iteration)
-            for name in manifest.names():
-                if name.endswith(".parquet"):
-                    tables[(iteration, stage, name)] = pq.read_table(
-                        Path(run.store.url(f"{manifest.prefix}/{manifest.attempt}/{name}")))
-    return tables
 
 
 def test_resident_and_per_task_commit_the_same_batches_and_resident_is_faster(tmp_path):

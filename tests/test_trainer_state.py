@@ -5,7 +5,6 @@ when a kill lost it. Inside one process the update hands its weights to the infe
 the same results as loading them from the store."""
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
 
@@ -14,6 +13,7 @@ from kfrl.config import load_config
 from kfrl.controller import train
 from kfrl.run import Run
 from kfrl.stages import STAGES, context, update
+from run_tables import committed_tables
 
 # The demo's model and task, small: it learns from the first iteration (non-zero advantages), so
 # weights that were not handed over or restored would show in the next rollout.
@@ -37,18 +37,6 @@ def forget_process_state() -> None:
 
 def policy_weights(run: Run, iteration: int) -> dict[str, torch.Tensor]:
     return load_file(run.store.committed_dir(run.manifest("update_actor", iteration)) / "model.safetensors")
-
-
-def committed_tables(run: Run, iterations) -> dict[tuple, object]:
-    tables = {}
-    for iteration in iterations:
-        for stage in STAGES:
-            manifest = run.manifest(stage, iteration)
-            for name in manifest.names():
-                if name.endswith(".parquet"):
-                    tables[(iteration, stage, name)] = pq.read_table(
-                        Path(run.store.url(f"{manifest.prefix}/{manifest.attempt}/{name}")))
-    return tables
 
 
 def test_weights_every_iteration_trainer_state_kept_for_the_window_and_at_save_freq(tmp_path):

@@ -44,6 +44,16 @@ def stage_prefix(iteration: int, stage: str) -> str:
     return f"iter-{_check_iteration(iteration):06d}/{stage}"
 
 
+_STAGE_PREFIX = re.compile(r"^iter-(\d+)/(.+)$")
+
+
+def split_stage_prefix(prefix: str) -> tuple[int, str] | None:
+    """The inverse of ``stage_prefix``: ``"iter-000003/update_actor"`` → (3, ``"update_actor"``); None for
+    a prefix outside the iterations (``data/train``)."""
+    match = _STAGE_PREFIX.match(prefix)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
 @dataclass(frozen=True)
 class Run:
     """A run's store (rooted at the run) read through its layout."""

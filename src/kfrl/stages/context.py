@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from kfrl.config import Config
 from kfrl.models import cache_dir
-from kfrl.run import CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, Run, RunLayoutError
+from kfrl.run import CRITIC_STAGE, INIT_ITERATION, POLICY_STAGE, Run, RunLayoutError, split_stage_prefix
 from kfrl.store import Manifest, Store, entry_digest
 
 
@@ -48,7 +47,6 @@ _TOKENIZER_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 TOKENIZER_CACHE_SIZE = 4
 # Files of a checkpoint that only the next update reads.
 TRAINING_STATE_FILES = ("optimizer.pt", "trainer_state.json")
-_ITERATION_PREFIX = re.compile(r"^iter-(\d+)/(.+)$")
 
 
 @dataclass
@@ -334,9 +332,9 @@ def _is_tokenizer_file(name: str) -> bool:
 
 def _checkpoint_slot(url: str, prefix: str) -> tuple[str, int]:
     """(a name shared by every checkpoint of one run's stage, the iteration) of a checkpoint prefix."""
-    match = _ITERATION_PREFIX.match(prefix)
-    iteration = int(match.group(1)) if match else 0
-    stage_url = url[: -len(prefix)] + (match.group(2) if match else prefix)
+    split = split_stage_prefix(prefix)
+    iteration, stage = split if split else (0, prefix)
+    stage_url = url[: -len(prefix)] + stage
     return hashlib.sha1(stage_url.encode()).hexdigest()[:16], iteration
 
 

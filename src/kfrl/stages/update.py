@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kfrl.faults import failpoint
-from kfrl.run import ACTOR_STATE, CRITIC_STAGE, CRITIC_STATE, INIT_ITERATION, POLICY_STAGE, stage_prefix
+from kfrl.run import (ACTOR_STATE, CRITIC_STAGE, CRITIC_STATE, INIT_ITERATION, POLICY_STAGE, split_stage_prefix,
+                      stage_prefix)
 from kfrl.stages.context import StageContext
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -373,7 +374,7 @@ def _wait_for_state(role_name: str) -> None:
 
 def _iteration_of(manifest) -> int:
     """The iteration a checkpoint commit belongs to (``iter-000003/update_actor`` → 3)."""
-    return int(manifest.prefix.split("/", 1)[0].removeprefix("iter-"))
+    return split_stage_prefix(manifest.prefix)[0]
 
 
 def _steps_in(path: Path) -> int:
