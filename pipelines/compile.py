@@ -22,7 +22,7 @@ def compile_pipelines(output_dir: str | Path | None = None, config=None) -> list
     out.mkdir(parents=True, exist_ok=True)
     if config is not None:
         gpu_tasks = set(rl_iteration.GPU_TASKS) | ({"score"} if config.reward.name == "model" else set())
-        rl_iteration.CLUSTER.update(config=config.cluster, gpu_tasks=gpu_tasks)
+        rl_iteration.CLUSTER.update(config=config, gpu_tasks=gpu_tasks)
     written = []
     try:
         for name, pipeline in rl_iteration.build_pipelines().items():

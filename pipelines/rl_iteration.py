@@ -48,8 +48,11 @@ RETRIES = 2
 # driver) run on the CPU image. Fused tasks hold GPU stages.
 GPU_TASKS = {"rollout", "gen_max", "old_logprob", "ref_logprob", "values", "update_critic", "update_actor",
              "validate", "infer", "train", "iteration"}
-# Set by kfrl.pipelines.compile while compiling for a cluster (the `cluster` config section and
-# whether a reward model makes scoring a GPU task); None compiles plain tasks.
+# With trainer.nnodes > 1 these tasks run no update themselves: they submit it as a multi-node job
+# (kfrl.distributed.multinode, cluster.multi_node) and wait, on the CPU image without accelerators.
+MULTI_NODE_TASKS = {"update_actor", "update_critic", "train"}
+# Set by kfrl.pipelines.compile while compiling for a cluster (the config, or only its `cluster`
+# section, and whether a reward model makes scoring a GPU task); None compiles plain tasks.
 CLUSTER: dict = {"config": None, "gpu_tasks": GPU_TASKS}
 
 
@@ -59,12 +62,31 @@ def _task(task, name: str):
     task.set_caching_options(False)
     task.set_retry(num_retries=RETRIES, backoff_duration="5s", backoff_factor=2.0)
     if CLUSTER["config"] is not None:
-        shape_for_cluster(task, CLUSTER["config"], gpu=name in CLUSTER["gpu_tasks"])
+        cluster, gpu, gpus = task_shape(CLUSTER["config"], name, CLUSTER["gpu_tasks"])
+        shape_for_cluster(task, cluster, gpu=gpu, gpus=gpus)
     return task
 
 
-def shape_for_cluster(task, cluster, *, gpu: bool):
-    """Image, resources, placement, credentials and /dev/shm of one task, from the ``cluster`` config."""
+def task_shape(config, name: str, gpu_tasks=GPU_TASKS) -> tuple:
+    """(cluster section, GPU task?, accelerators) of task ``name`` under ``config``: the whole config, or
+    only its ``cluster`` section (then GPU tasks ask for ``cluster.gpu_stages.gpus``, as before).
+
+    With the whole config a GPU task asks for one accelerator per process, ``trainer.n_gpus_per_node``
+    (``cluster.gpu_stages.gpus`` may ask for more), none under ``trainer.device=cpu`` unless
+    gpu_stages.gpus says so; and with ``trainer.nnodes > 1`` the update tasks are CPU tasks that submit
+    the multi-node job."""
+    cluster = getattr(config, "cluster", config)
+    if cluster is config:
+        return cluster, name in gpu_tasks, None
+    from kfrl.distributed.multinode import gpus_per_node
+
+    gpu = name in gpu_tasks and not (config.trainer.nnodes > 1 and name in MULTI_NODE_TASKS)
+    return cluster, gpu, gpus_per_node(config) if gpu else None
+
+
+def shape_for_cluster(task, cluster, *, gpu: bool, gpus: int | None = None):
+    """Image, resources, placement, credentials and /dev/shm of one task, from the ``cluster`` config;
+    ``gpus``: the accelerator limit (None: that of ``cluster.gpu_stages`` / ``cpu_stages``)."""
     from kfp import kubernetes
 
     task.set_container_image(cluster.image if gpu else cluster.cpu_image)
@@ -73,8 +95,9 @@ def shape_for_cluster(task, cluster, *, gpu: bool):
         task.set_cpu_request(resources.cpu).set_cpu_limit(resources.cpu)
     if resources.memory:
         task.set_memory_request(resources.memory).set_memory_limit(resources.memory)
-    if resources.gpus:
-        task.set_accelerator_type(resources.accelerator).set_accelerator_limit(resources.gpus)
+    gpus = resources.gpus if gpus is None else gpus
+    if gpus:
+        task.set_accelerator_type(resources.accelerator).set_accelerator_limit(gpus)
     if gpu:
         for key, value in cluster.node_selector.items():
             kubernetes.add_node_selector(task, label_key=key, label_value=value)

@@ -76,6 +76,48 @@ def test_a_reward_model_makes_scoring_a_gpu_task(tmp_path):
     assert "accelerator" in spec["deploymentSpec"]["executors"]["exec-score-op"]["container"]["resources"]
 
 
+def accelerators(folder: Path, name: str) -> dict[str, int]:
+    """Executor -> accelerator limit (0: none) of a compiled pipeline."""
+    spec, _ = compiled(folder, name)
+    return {executor: int(body["container"].get("resources", {}).get("accelerator", {}).get("resourceCount", 0))
+            for executor, body in spec["deploymentSpec"]["executors"].items()}
+
+
+def test_gpu_tasks_ask_for_one_accelerator_per_process(tmp_path):
+    compile_pipelines(tmp_path, load_config(GPU_CONFIG, ["trainer.n_gpus_per_node=4"]))
+    counts = accelerators(tmp_path, "rl_iteration")
+    for stage in ("rollout", "gen_max", "old_logprob", "ref_logprob", "values", "update_critic", "update_actor",
+                  "validate"):
+        assert counts[f"exec-{stage.replace('_', '-')}-op"] == 4, stage
+    assert counts["exec-score-op"] == counts["exec-advantage-op"] == 0
+    assert set(accelerators(tmp_path, "rl_iteration_fused").values()) == {4}
+    assert accelerators(tmp_path, "rl_iteration_single") == {"exec-iteration-op": 4}
+    # cluster.gpu_stages.gpus = 0 (the default) with trainer.device auto: n_gpus_per_node (1); more may be asked.
+    compile_pipelines(tmp_path, load_config(None, []))
+    assert accelerators(tmp_path, "rl_iteration")["exec-rollout-op"] == 1
+    compile_pipelines(tmp_path, load_config(GPU_CONFIG, ["cluster.gpu_stages.gpus=8", "trainer.n_gpus_per_node=4"]))
+    assert accelerators(tmp_path, "rl_iteration")["exec-update-actor-op"] == 8
+    # trainer.device=cpu: processes on CPUs, no accelerator unless gpu_stages.gpus asks.
+    compile_pipelines(tmp_path, load_config(GPU_CONFIG, ["trainer.device=cpu", "cluster.gpu_stages.gpus=0"]))
+    assert set(accelerators(tmp_path, "rl_iteration").values()) == {0}
+
+
+def test_multi_node_update_tasks_only_submit_the_job_on_the_cpu_image(tmp_path):
+    compile_pipelines(tmp_path, load_config(GPU_CONFIG, ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"]))
+    spec, kube = compiled(tmp_path, "rl_iteration")
+    executors = spec["deploymentSpec"]["executors"]
+    for name in ("exec-update-actor-op", "exec-update-critic-op"):
+        container = executors[name]["container"]
+        assert container["image"] == "ghcr.io/kfrl/kfrl-cpu:0.1.0" and "accelerator" not in container["resources"]
+        assert container["resources"]["resourceMemoryLimit"] == "8G"  # cluster.cpu_stages
+        assert "tolerations" not in kube[name] and "emptyDirMounts" not in kube[name]
+        assert kube[name]["secretAsEnv"][0]["secretName"] == "kfrl-credentials"  # the job's pods read the store
+    assert accelerators(tmp_path, "rl_iteration")["exec-rollout-op"] == 4
+    fused = accelerators(tmp_path, "rl_iteration_fused")
+    assert fused == {"exec-infer-op": 4, "exec-train-op": 0}
+    assert accelerators(tmp_path, "rl_iteration_single") == {"exec-iteration-op": 4}  # it also rolls out
+
+
 @pytest.mark.parametrize("name", ["rl_iteration", "rl_iteration_fused", "rl_iteration_single", "rl_validate",
                                   "rl_train"])
 def test_every_pipeline_parameter_has_a_type_a_default_and_a_description(name):

@@ -112,6 +112,28 @@ def test_a_trainer_state_lost_to_a_kill_is_rebuilt_exactly_and_nothing_else_is_r
     assert all(torch.equal(expected_state[name], found_state[name]) for name in expected_state)
 
 
+def test_trainer_state_every_k_iterations_and_the_gap_rebuilt_exactly(tmp_path):
+    """trainer_state_freq=3: a process that keeps its training copy writes the state after iterations 3
+    and 5 (the last) only, with the same results; a fresh process that needs the state after 5, lost,
+    redoes updates 4 and 5 from the state after 3."""
+    forget_process_state()
+    reference = Run.at(train(config(tmp_path / "a"), run_id="a", iterations=5).run_uri)
+    forget_process_state()
+    run = Run.at(train(config(tmp_path / "b", "trainer.trainer_state_freq=3"), run_id="b", iterations=5).run_uri)
+    assert [i for i in range(1, 6) if run.is_committed("actor_state", i)] == [3, 5]
+    a, b = policy_weights(reference, 5), policy_weights(run, 5)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    run.store.remove_commit("iter-000005/actor_state")  # the process died while writing it
+    forget_process_state()
+    ctx = context.StageContext.open(run.uri, 6)
+    model, _optimizer, steps, source = update.load_trainer_state(ctx, update.ROLES["actor"], ctx.config.actor,
+                                                                 run.manifest("update_actor", 5))
+    assert source == "rebuilt" and steps == 5
+    assert [i for i in range(1, 6) if run.is_committed("actor_state", i)] == [4, 5]  # the newest two kept
+    expected = load_file(reference.store.committed_dir(reference.manifest("actor_state", 5)) / "model.safetensors")
+    assert all(torch.equal(expected[name], value) for name, value in model.state_dict().items() if name in expected)
+
+
 def test_weights_saved_in_another_dtype_keep_tied_tensors_once_and_load_back_cast(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config
 

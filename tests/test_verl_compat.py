@@ -57,9 +57,12 @@ def test_quickstart_line_resolves_in_dry_run_without_model_data_or_vllm(tmp_path
                  "gpu_memory_utilization: 0.4"):
         assert line in out, line
     # Accepted veRL keys that mean nothing here are named, never dropped silently.
-    for key in ("trainer.nnodes", "trainer.n_gpus_per_node",
-                "actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.logger"):
+    for key in ("actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.logger"):
         assert f"notice: veRL key '{key}' has no effect" in out, key
+    # The device counts are kfrl keys (the multi-GPU update and replicas): taken, no notice.
+    for key in ("trainer.nnodes", "trainer.n_gpus_per_node"):
+        assert f"veRL key '{key}'" not in out, key
+    assert "n_gpus_per_node: 1" in out and "nnodes: 1" in out
     # What is missing is a warning, not a failure.
     assert "warning: model.path: Qwen/Qwen2.5-0.5B-Instruct is not a local HF model directory" in out
     assert f"warning: data.train_files: {tmp_path}/data/gsm8k/train.parquet does not exist" in out
@@ -88,13 +91,17 @@ def test_verl_keys_map_onto_kfrl_keys():
         "actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         "critic.optim.lr=3e-5", "critic.model.path=/m", "custom_reward_function.path=/r.py",
         "custom_reward_function.name=my_score", "reward_model.enable=True", "reward_model.model.path=/rm",
-        "trainer.total_training_steps=7", "+trainer.val_before_train=False"], notices)
+        "trainer.total_training_steps=7", "+trainer.val_before_train=False",
+        "actor_rollout_ref.actor.strategy=deepspeed", "critic.strategy=fsdp", "trainer.n_gpus_per_node=8",
+        "trainer.nnodes=2"], notices)
     assert cfg.actor.loss_mode == "gspo" and cfg.actor.lr == 2e-6
     assert cfg.rollout.val_kwargs.n == 4 and cfg.rollout.val_kwargs.do_sample
     assert cfg.critic.lr == 3e-5 and cfg.critic.model_path == "/m"
     assert (cfg.reward.custom_function_path, cfg.reward.custom_function_name) == ("/r.py", "my_score")
     assert cfg.reward.name == "model" and cfg.reward.model_path == "/rm"
     assert cfg.trainer.total_iterations == 7 and not cfg.trainer.val_before_train
+    assert cfg.actor.strategy == "deepspeed" and (cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes) == (8, 2)
+    assert any("'critic.strategy'" in n and "follows actor.strategy" in n for n in notices)
     assert any("veRL's defaults apply" in n for n in notices)
 
 

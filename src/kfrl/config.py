@@ -192,6 +192,10 @@ class ActorConfig(Section):
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    # How the update is sharded over trainer.n_gpus_per_node x trainer.nnodes processes (veRL's key):
+    # fsdp2 (torch's fully_shard; "fsdp" means the same) or deepspeed (ZeRO, stage deepspeed_zero_stage).
+    strategy: Literal["fsdp2", "fsdp", "deepspeed"] = "fsdp2"
+    deepspeed_zero_stage: Literal[2, 3] = 2
 
     @model_validator(mode="after")
     def _check_policy_loss(self) -> "ActorConfig":
@@ -265,8 +269,19 @@ class TrainerConfig(Section):
     # kept for the last keep_trainer_states iterations and at every save_freq-th; older states are
     # deleted. 0 = keep every one. The policy weights of every iteration are always kept.
     keep_trainer_states: int = Field(2, ge=0)
+    # Where the process keeps its training copy (the resident engine, the inline runner), the trainer
+    # state is written every trainer_state_freq iterations (and at the last one and every save_freq-th)
+    # instead of every iteration: k times less to write (12 bytes per parameter). After a crash the
+    # states in between are rebuilt by redoing at most k-1 updates from committed batches. A process
+    # that does not keep the copy (a task without an engine) writes it every iteration.
+    trainer_state_freq: int = Field(1, ge=1)
     seed: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Processes per node for the GPU stages (veRL's key): the update is sharded over them (actor.strategy)
+    # and rollout/log-prob stages split their rows over as many replicas. With device=cpu they are CPU
+    # processes talking over gloo. nnodes > 1: the update runs as a Kubeflow Trainer job (cluster.multi_node).
+    n_gpus_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
     # Generations logged to MLflow as a table, per iteration.
     log_generations: int = Field(8, ge=0)
 
@@ -373,6 +388,10 @@ class ClusterConfig(Section):
     # Where GPU tasks may run.
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
+    # trainer.nnodes > 1: the update runs as this kind of job, one pod per node, trainer.n_gpus_per_node
+    # processes each: a Kubeflow Trainer TrainJob (runtime multi_node_runtime) or a training-operator PyTorchJob.
+    multi_node: Literal["trainjob", "pytorchjob"] = "trainjob"
+    multi_node_runtime: str = "torch-distributed"
 
 
 class Config(Section):

@@ -25,6 +25,8 @@ VERL_KEYS: dict[str, str] = {
     # The deprecated global micro-batch equals the per-GPU one on a single worker.
     f"{AR}.actor.ppo_micro_batch_size": "actor.ppo_micro_batch_size_per_gpu",
     f"{AR}.actor.ppo_epochs": "actor.ppo_epochs",
+    # fsdp / fsdp2: torch FSDP2; deepspeed: ZeRO (actor.deepspeed_zero_stage); megatron is refused by the config.
+    f"{AR}.actor.strategy": "actor.strategy",
     f"{AR}.actor.shuffle": "actor.shuffle",
     f"{AR}.actor.clip_ratio": "actor.clip_ratio",
     f"{AR}.actor.clip_ratio_low": "actor.clip_ratio_low",
@@ -85,7 +87,8 @@ VALUE_MAPS: dict[str, Callable[[Any], Any]] = {
 }
 
 # veRL keys (or key prefixes, ending in ".") accepted but without effect in kfrl, and why.
-_PARALLEL = "kfrl's update runs on one device per stage; multi-GPU training is not built yet"
+_PARALLEL = ("kfrl's multi-GPU update is data parallel only (actor.strategy over trainer.n_gpus_per_node x "
+             "trainer.nnodes processes); this kind of parallelism is not built")
 _VLLM = "a vLLM engine setting kfrl does not pass on"
 _MEMORY = "a memory/throughput knob of veRL's FSDP workers; kfrl has no equivalent"
 _UNUSED_MODEL = "a model-loading option of veRL's workers that kfrl does not use"
@@ -108,7 +111,7 @@ IGNORED: dict[str, str] = {
     f"{AR}.model.target_modules": "LoRA is not implemented; kfrl trains all weights",
     f"{AR}.model.override_config.": _UNUSED_MODEL,
     f"{AR}.hybrid_engine": "kfrl's stages load weights per stage group; there is no hybrid engine",
-    f"{AR}.nccl_timeout": _PARALLEL,
+    f"{AR}.nccl_timeout": "kfrl's update workers wait up to 60 minutes on a collective",
     f"{AR}.actor.optim.lr_warmup_steps": _FIXED_LR,
     f"{AR}.actor.optim.lr_warmup_steps_ratio": _FIXED_LR,
     f"{AR}.actor.optim.warmup_style": _FIXED_LR,
@@ -119,7 +122,6 @@ IGNORED: dict[str, str] = {
     f"{AR}.actor.optim.clip_grad": "use actor.grad_clip",
     f"{AR}.actor.fsdp_config.": _MEMORY,
     f"{AR}.actor.megatron.": _PARALLEL,
-    f"{AR}.actor.strategy": _PARALLEL,
     f"{AR}.actor.ulysses_sequence_parallel_size": _PARALLEL,
     f"{AR}.actor.use_dynamic_bsz": _BY_COUNT,
     f"{AR}.actor.ppo_max_token_len_per_gpu": _BY_COUNT,
@@ -169,7 +171,7 @@ IGNORED: dict[str, str] = {
     "critic.optim.min_lr_ratio": _FIXED_LR,
     "critic.optim.total_training_steps": _FIXED_LR,
     "critic.optim.clip_grad": "use critic.grad_clip",
-    "critic.strategy": _PARALLEL,
+    "critic.strategy": "the critic's update is sharded as the actor's: it follows actor.strategy",
     "critic.ulysses_sequence_parallel_size": _PARALLEL,
     "critic.use_dynamic_bsz": _BY_COUNT,
     "critic.ppo_max_token_len_per_gpu": _BY_COUNT,
@@ -195,8 +197,6 @@ IGNORED: dict[str, str] = {
     "data.datagen.": "dynamic data generation is not supported",
     "data.apply_chat_template_kwargs.": "the chat template is applied with its defaults",
     "trainer.logger": "kfrl logs to MLflow (tracking.uri) and the console, always",
-    "trainer.n_gpus_per_node": _PARALLEL,
-    "trainer.nnodes": _PARALLEL,
     "trainer.default_local_dir": _STORE,
     "trainer.default_hdfs_dir": _STORE,
     "trainer.resume_mode": _STORE,
@@ -205,7 +205,7 @@ IGNORED: dict[str, str] = {
     "trainer.remove_previous_ckpt_in_save": _STORE,
     "trainer.max_actor_ckpt_to_keep": _STORE,
     "trainer.max_critic_ckpt_to_keep": _STORE,
-    "trainer.balance_batch": "one device per stage: there is nothing to balance",
+    "trainer.balance_batch": "kfrl splits rows between devices by prompt group, in order; it does not rebalance by length",
     "trainer.log_val_generations": "validation generations are stored per validation (iter-N/validate)",
     "trainer.rollout_data_dir": "rollouts are stored per iteration in the run's store",
     "trainer.validation_data_dir": "validation generations are stored in the run's store",
@@ -215,7 +215,7 @@ IGNORED: dict[str, str] = {
     "trainer.esi_redundant_time": "kfrl does not use Ray",
     "trainer.profile_steps": "profiling is not wired to veRL's profiler",
     "reward_model.reward_manager": "kfrl's score stage is veRL's naive manager; DAPO's shaping is reward.overlong_buffer",
-    "reward_model.strategy": _PARALLEL,
+    "reward_model.strategy": "the reward model scores in one process (the score stage)",
     "reward_model.model.input_tokenizer": "the reward model uses its own tokenizer and chat template",
     "reward_model.model.use_remove_padding": "kfrl pads per micro-batch; there is no remove-padding path",
     "reward_model.model.trust_remote_code": _UNUSED_MODEL,

@@ -55,6 +55,6 @@ def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, min
     loop_metrics = optimize(model, optimizer, len(full), micro_step, mini_batch_size=mini_batch_size,
                             micro_batch_size=actor_cfg.ppo_micro_batch_size_per_gpu, epochs=actor_cfg.ppo_epochs,
                             shuffle=actor_cfg.shuffle, seed=seed, grad_clip=actor_cfg.grad_clip, prefix="actor",
-                            progress=progress, sample_ids=sample_ids)
+                            progress=progress, sample_ids=sample_ids, step_metrics=metrics)
     metrics.update(loop_metrics)
     return mean_metrics(metrics)

@@ -57,5 +57,6 @@ def update_critic(model, optimizer, trajectories: Trajectories, *, mini_batch_si
 
     metrics.update(optimize(model, optimizer, len(full), micro_step, mini_batch_size=mini_batch_size,
                             micro_batch_size=micro_batch_size, epochs=epochs, shuffle=shuffle, seed=seed,
-                            grad_clip=grad_clip, prefix="critic", progress=progress, sample_ids=sample_ids))
+                            grad_clip=grad_clip, prefix="critic", progress=progress, sample_ids=sample_ids,
+                            step_metrics=metrics))
     return mean_metrics(metrics)

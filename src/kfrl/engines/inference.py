@@ -52,6 +52,15 @@ def _token_stats(hidden, targets, head, temperature: float, with_entropy: bool, 
             sum_pi_squared_from_logits(logits) if with_sum_pi_squared else None)
 
 
+def fused_applies(hidden: torch.Tensor, head, autocast_dtype, with_sum_pi_squared: bool) -> bool:
+    """Whether the fused LM-head kernels (``kfrl.engines.token_stats``) take this pass: on CUDA, with a
+    16-bit compute dtype and a head without bias; Σπ² (optimal_token_baseline) keeps the unfused pass."""
+    from kfrl.engines.kernels import triton_enabled
+
+    return (triton_enabled(hidden) and autocast_dtype in (torch.bfloat16, torch.float16)
+            and getattr(head, "bias", None) is None and not with_sum_pi_squared)
+
+
 def forward_token_stats(model, batch: Trajectories, temperature: float, with_entropy: bool,
                         autocast_dtype: torch.dtype | None = None, with_sum_pi_squared: bool = False):
     """(log_probs (B, L), entropy (B, L) or None, sum_pi_squared (B, L) or None); differentiable when
@@ -65,6 +74,11 @@ def forward_token_stats(model, batch: Trajectories, temperature: float, with_ent
     rows, length, width = hidden.shape
     flat, targets = hidden.reshape(rows * length, width), batch.response_ids.reshape(-1)
     chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+    if fused_applies(flat, head, autocast_dtype, with_sum_pi_squared):
+        from kfrl.engines.token_stats import linear_token_stats
+
+        log_probs, entropy = linear_token_stats(flat, head.weight, targets, temperature, autocast_dtype, chunk)
+        return log_probs.view(rows, length), entropy.view(rows, length) if with_entropy else None, None
     recompute = torch.is_grad_enabled() and len(flat) > chunk
     parts = []
     for start in range(0, len(flat), chunk):

@@ -2,13 +2,37 @@
 ``epochs`` passes over the batch (reshuffled each epoch when asked), one optimizer step per
 mini-batch, gradients accumulated over micro-batches with each micro-batch's loss weighted by its
 share of the mini-batch, gradient clipping, and a skipped step when the gradient norm is not finite.
+
+Under ``data_parallel(plan)`` (the distributed update, ``kfrl.distributed``) the same loop runs in each
+of N processes: the plan hands this process its share of each mini-batch's micro-batches (cut exactly
+as one process cuts them), adds zero-weighted passes so every process runs as many passes as the
+busiest one (the collectives of a sharded model need them), sums the gradients over the processes,
+clips and steps, and merges the per-micro-batch metrics in one process's order.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import defaultdict
 from typing import Callable, Sequence
 
 import torch
+
+# The data-parallel plan of the update running in this process (None: one process does everything).
+_DATA_PARALLEL: contextvars.ContextVar = contextvars.ContextVar("kfrl_data_parallel", default=None)
+
+
+@contextlib.contextmanager
+def data_parallel(plan):
+    """Run ``optimize`` calls inside the block as this process's share of a data-parallel update. ``plan``
+    (``kfrl.distributed.parallel.DataParallel``) provides ``passes(micro_batches)`` → [(rows, real)],
+    ``forward(micro_step, rows)`` → loss, ``recorded(step_metrics, real)``, ``backward(loss)``, ``clip_and_step(model, optimizer, grad_clip)`` →
+    (grad norm, stepped) and ``merge(step_metrics)``."""
+    token = _DATA_PARALLEL.set(plan)
+    try:
+        yield plan
+    finally:
+        _DATA_PARALLEL.reset(token)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -17,10 +41,13 @@ class NonFiniteLossError(FloatingPointError):
 
 def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor], torch.Tensor], *,
              mini_batch_size: int, micro_batch_size: int, epochs: int, shuffle: bool, seed: int, grad_clip: float,
-             prefix: str, progress=None, sample_ids: Sequence | None = None) -> dict[str, list[float]]:
+             prefix: str, progress=None, sample_ids: Sequence | None = None,
+             step_metrics: dict[str, list] | None = None) -> dict[str, list[float]]:
     """Runs the loop in place. ``micro_step(rows)`` returns the micro-batch loss (mean over its rows,
-    before weighting) and may append its own metrics; returns ``{prefix}/grad_norm`` etc. as lists.
-    A non-finite loss raises NonFiniteLossError naming the micro-batch's samples (``sample_ids``)."""
+    before weighting) and may append its own metrics (to ``step_metrics``, one value per key and
+    micro-batch: a data-parallel update merges them over processes); returns ``{prefix}/grad_norm`` etc.
+    as lists. A non-finite loss raises NonFiniteLossError naming the micro-batch's samples (``sample_ids``)."""
+    parallel = _DATA_PARALLEL.get()
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     metrics: dict[str, list[float]] = defaultdict(list)
@@ -30,27 +57,46 @@ def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor]
         for mb_start in range(0, n_total, mini_batch_size):
             mini_rows = order[mb_start:mb_start + mini_batch_size]
             optimizer.zero_grad(set_to_none=True)
-            for mc_start in range(0, len(mini_rows), micro_batch_size):
-                rows = mini_rows[mc_start:mc_start + micro_batch_size].to(device)
-                loss = micro_step(rows)
+            micro_batches = [mini_rows[mc_start:mc_start + micro_batch_size]
+                             for mc_start in range(0, len(mini_rows), micro_batch_size)]
+            passes = [(rows, True) for rows in micro_batches] if parallel is None else parallel.passes(micro_batches)
+            for rows, real in passes:
+                rows = rows.to(device)
+                loss = micro_step(rows) if parallel is None else parallel.forward(micro_step, rows)
+                if parallel is not None:
+                    parallel.recorded(step_metrics, real)
+                    if not real:  # a pass that only keeps this process in step with the others' collectives
+                        parallel.backward(loss * 0.0)
+                        continue
                 if not torch.isfinite(loss):
                     names = [sample_ids[i] for i in rows.tolist()] if sample_ids is not None else rows.tolist()
                     raise NonFiniteLossError(
                         f"{prefix} loss is {float(loss.detach())} on the micro-batch of samples {names[:8]}"
                         f"{' ...' if len(names) > 8 else ''} (epoch {_epoch + 1}, mini-batch {mb_start // mini_batch_size + 1}); "
                         f"the update stopped before writing a checkpoint: lower {prefix}.lr or check its inputs")
-                # The accumulated gradient equals the mini-batch mean whatever the micro-batch size.
-                (loss * (len(rows) / len(mini_rows))).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            if torch.isfinite(grad_norm):
-                optimizer.step()
+                # The accumulated gradient equals the mini-batch mean whatever the micro-batch size (and
+                # whatever the number of processes: their gradients are summed).
+                weighted = loss * (len(rows) / len(mini_rows))
+                if parallel is None:
+                    weighted.backward()
+                else:
+                    parallel.backward(weighted)
+            if parallel is None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+                stepped = bool(torch.isfinite(grad_norm))
+                if stepped:
+                    optimizer.step()
             else:
+                grad_norm, stepped = parallel.clip_and_step(model, optimizer, grad_clip)
+            if not stepped:
                 metrics[f"{prefix}/skipped_steps"].append(1.0)
             optimizer.zero_grad(set_to_none=True)
             metrics[f"{prefix}/grad_norm"].append(float(grad_norm))
             if progress is not None:
                 progress()
     metrics[f"{prefix}/lr"].append(optimizer.param_groups[0]["lr"])
+    if parallel is not None and step_metrics is not None:
+        parallel.merge(step_metrics)
     return metrics
 
 

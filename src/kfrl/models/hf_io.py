@@ -92,33 +92,183 @@ def tensor_identity(t: torch.Tensor) -> tuple:
     return (t.device.type, t.device.index, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
+# safetensors dtype names (the format's spec); tensors of other dtypes are not written by kfrl.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
+WRITE_THREADS = 4
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], folder: str | Path, *,
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    """Write ``tensors`` as ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards plus
+    ``model.safetensors.index.json`` beyond ``max_shard_bytes``), the layout ``from_pretrained`` reads.
+
+    The bytes go out with ``pwrite`` calls at each tensor's offset, from ``WRITE_THREADS`` threads,
+    straight from the tensor's memory (copied to the host first when it is on an accelerator): no
+    serialised copy of the whole file is built, and the GIL is released while the kernel copies, so a writer on a background thread does not stall the stages
+    running beside it (``safetensors.torch.save_file`` holds it for most of a large write)."""
+    import json
+    import os
+    import struct
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for file_name, keys in zip(names, shards):
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key in keys:
+            tensor = tensors[key]
+            if tensor.dtype not in _SAFETENSORS_DTYPES:
+                raise TypeError(f"tensor {key} has dtype {tensor.dtype}, which kfrl does not write to safetensors")
+            nbytes = tensor.numel() * tensor.element_size()
+            header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                           "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the reference writer does
+        start = 8 + len(encoded)
+        fd = os.open(folder / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, struct.pack("<Q", len(encoded)) + encoded, 0)
+
+            def put(key: str) -> None:
+                tensor = tensors[key].detach()
+                if tensor.numel():
+                    host = memoryview(tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+                    at = start + header[key]["data_offsets"][0]
+                    while host:  # pwrite may write less than asked
+                        written = os.pwrite(fd, host, at)
+                        host, at = host[written:], at + written
+
+            # Several writers at disjoint offsets: some file systems (gVisor's, overlays) take one
+            # stream of writes at a fraction of their throughput.
+            with ThreadPoolExecutor(WRITE_THREADS) as pool:
+                list(pool.map(put, keys))
+        finally:
+            os.close(fd)
+    if len(shards) > 1:
+        weight_map = {key: file_name for file_name, keys in zip(names, shards) for key in keys}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return [folder / n for n in names]
+
+
+def on_host(tensors: dict, dtype: torch.dtype | None = None) -> dict:
+    """``tensors`` (a nested dict/list of tensors, as a state dict or an optimizer state) copied to host
+    memory, floating tensors cast to ``dtype`` when given. From an accelerator the copies go into pinned
+    memory, all queued before one synchronisation: PyTorch's host allocator hands the same pinned blocks
+    back on the next call, so a checkpoint every iteration neither faults in fresh pages nor waits per
+    tensor. Tied tensors stay one tensor. On the CPU the result is a copy too (the caller may keep it
+    while the originals change)."""
+    memo: dict[tuple, torch.Tensor] = {}
+    streams = set()
+
+    def copy(value):
+        if isinstance(value, torch.Tensor):
+            key = tensor_identity(value)
+            if key not in memo:
+                target = dtype if dtype is not None and value.is_floating_point() else value.dtype
+                if value.device.type == "cpu":
+                    memo[key] = value.detach().to(target, copy=True)
+                else:
+                    host = torch.empty(value.shape, dtype=target, pin_memory=True)
+                    host.copy_(value.detach(), non_blocking=True)
+                    streams.add(value.device)
+                    memo[key] = host
+            return memo[key]
+        if isinstance(value, dict):
+            return {key: copy(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy(item) for item in value)
+        return value
+
+    out = copy(tensors)
+    for device in streams:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def unique_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``state`` with tied tensors kept once (under the first name, e.g. the embedding rather than the
+    LM head, as ``save_pretrained`` does) and floating tensors cast to ``dtype`` when given."""
+    seen: set[tuple] = set()
+    out = {}
+    for name, tensor in state.items():
+        key = tensor_identity(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    return out
+
+
 def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
-            dtype: torch.dtype | None = None) -> Path:
-    """Save model (safetensors, cast to ``dtype`` when given: the model itself is left as it is), its
-    generation config and the tokenizer (when given) into out_dir."""
+            dtype: torch.dtype | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Save an HF model directory: config, generation config, safetensors weights (from ``state`` when
+    given, else the model's own; cast to ``dtype`` when given: the model itself is left as it is) and
+    the tokenizer (when given) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if dtype is None or dtype == next(model.parameters()).dtype:
-        model.save_pretrained(out_dir, safe_serialization=True)
-    else:
-        cast: dict[tuple, torch.Tensor] = {}
-        state = {}
-        for name, t in model.state_dict().items():
-            key = tensor_identity(t)  # tied weights (embedding = LM head) stay one tensor, saved once
-            if key not in cast:
-                cast[key] = t.detach().to(dtype) if t.is_floating_point() else t
-            state[name] = cast[key]
-        saved_dtype = model.config.dtype
-        model.config.dtype = dtype  # config.json says what the file holds
-        try:
-            model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
-        finally:
-            model.config.dtype = saved_dtype
+    config = model.config
+    saved_dtype = config.dtype
+    if dtype is not None:
+        config.dtype = dtype  # config.json says what the file holds
+    try:
+        config.save_pretrained(out_dir)
+    finally:
+        config.dtype = saved_dtype
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate():
+        generation.save_pretrained(out_dir)
+    tensors = unique_state(state if state is not None else model.state_dict())
+    if any(t.device.type != "cpu" for t in tensors.values()):
+        tensors = on_host(tensors, dtype)
+    write_safetensors(unique_state(tensors, dtype), out_dir)
     if tokenizer is not None:
-        # The chat template goes into tokenizer_config.json (not only chat_template.jinja)
-        # so that older transformers releases, as used by some inference images, find it too.
-        tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+        save_tokenizer(tokenizer, out_dir)
     return out_dir
+
+
+# Saved tokenizer files per tokenizer object: every weights commit carries the tokenizer (twice, with
+# the MLmodel component) and serialising a 150k-entry vocabulary costs ~50 ms a time.
+_TOKENIZER_FILES: dict[int, tuple[object, dict[str, bytes]]] = {}
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
+    """``tokenizer.save_pretrained(out_dir)``, serialised once per tokenizer object and copied after."""
+    import tempfile
+
+    out_dir = Path(out_dir)
+    held = _TOKENIZER_FILES.get(id(tokenizer))
+    if held is None or held[0] is not tokenizer:
+        with tempfile.TemporaryDirectory(prefix="kfrl-tokenizer-") as tmp:
+            # The chat template goes into tokenizer_config.json (not only chat_template.jinja)
+            # so that older transformers releases, as used by some inference images, find it too.
+            tokenizer.save_pretrained(tmp, save_jinja_files=False)
+            files = {p.relative_to(tmp).as_posix(): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
+        _TOKENIZER_FILES.clear()  # one tokenizer per run: no growth across runs in one process
+        held = _TOKENIZER_FILES[id(tokenizer)] = (tokenizer, files)
+    for name, data in held[1].items():
+        (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / name).write_bytes(data)
 
 
 def load_value_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",

@@ -31,9 +31,11 @@ def write_mlmodel(folder: str | Path, tokenizer, dtype) -> Path:
     """Add ``MLmodel`` and ``components/tokenizer/`` to an HF model folder saved by ``save_hf``."""
     import yaml
 
+    from kfrl.models.hf_io import save_tokenizer
+
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    tokenizer.save_pretrained(folder / TOKENIZER_COMPONENT, save_jinja_files=False)
+    save_tokenizer(tokenizer, folder / TOKENIZER_COMPONENT)
     transformers_version = _version("transformers") or ""
     flavor = {
         "code": None,

@@ -9,9 +9,17 @@ from kfrl.stages.context import StageContext
 def _logprobs(ctx: StageContext, table, weights_iteration: int, with_entropy: bool,
               with_sum_pi_squared: bool = False):
     """Per-sample lists of log-probs (and entropies, and sums over the vocabulary of the squared
-    probabilities; None when not asked for) under the policy after ``weights_iteration``."""
+    probabilities; None when not asked for) under the policy after ``weights_iteration``; over
+    ``trainer.n_gpus_per_node`` replicas when > 1 (rows split by prompt group, merged in row order)."""
+    from kfrl.distributed.replicas import map_rows, replica_count
     from kfrl.engines.inference import compute_token_stats
     from kfrl.trajectory import Trajectories
+
+    if replica_count(ctx.config) > 1:
+        parts = map_rows(ctx, "kfrl.stages.logprob:_logprobs", table, what=f"log-prob replicas of iteration "
+                         f"{ctx.iteration}", weights_iteration=weights_iteration, with_entropy=with_entropy,
+                         with_sum_pi_squared=with_sum_pi_squared)
+        return tuple(None if parts[0][k] is None else [row for part in parts for row in part[k]] for k in range(3))
 
     manifest = ctx.policy_manifest(weights_iteration)
     tokenizer = ctx.load_tokenizer(manifest)
@@ -47,9 +55,18 @@ def ref_logprob(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, floa
 
 def values(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     """Stage ``values``: the critic's value of every response token (0 at masked positions)."""
+    return {"sample_id": table.column("sample_id").to_pylist(), "values": _values(ctx, table)}, {}
+
+
+def _values(ctx: StageContext, table) -> list[list[float]]:
+    """Per-sample lists of the critic's values (over replicas as ``_logprobs``)."""
+    from kfrl.distributed.replicas import map_rows, replica_count
     from kfrl.engines.critic import compute_values
     from kfrl.trajectory import Trajectories
 
+    if replica_count(ctx.config) > 1:
+        parts = map_rows(ctx, "kfrl.stages.logprob:_values", table, what=f"value replicas of iteration {ctx.iteration}")
+        return [row for part in parts for row in part]
     cfg = ctx.config
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
     model = ctx.load_critic(ctx.critic_manifest(ctx.iteration - 1))
@@ -58,4 +75,4 @@ def values(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
         model, trajectories,
         micro_batch_size=cfg.critic.forward_micro_batch_size_per_gpu or cfg.critic.ppo_micro_batch_size_per_gpu,
         autocast_dtype=ctx.compute_dtype)
-    return {"sample_id": table.column("sample_id").to_pylist(), "values": trajectories.unpad(result)}, {}
+    return trajectories.unpad(result)

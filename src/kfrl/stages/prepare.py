@@ -115,9 +115,9 @@ def _commit_weights(attempt, path: str, key: str, tracking_uri: str = "") -> Non
     ``models:/<name>@<alias>``: its source, resolved now and recorded, so a resumed run keeps the
     version it started from); ``key`` names the config key in errors."""
     settings = {FINGERPRINT: fingerprint({key: path})}
-    from kfrl.registry import is_models_uri
-
-    if is_models_uri(path):
+    # Spelled out rather than kfrl.registry.is_models_uri: importing the registry imports MLflow, which
+    # the stages (and the GPU image's engine) must not need unless a models:/ URI is given.
+    if path.startswith("models:/"):
         from kfrl.models import cache_dir
         from kfrl.registry import model_version_source
 

@@ -134,8 +134,9 @@ def rebuild_trainer_state(ctx: StageContext, role: Role, optim_cfg, iteration: i
     inputs, commit only its trainer state, and return (model, optimizer, steps)."""
     from kfrl.stages import SPECS
 
-    print(f"[kfrl] the trainer state after iteration {iteration} ({role.state}) was not committed (the process "
-          f"stopped while writing it): redoing that {role.stage} from the state before it", file=sys.stderr, flush=True)
+    print(f"[kfrl] the trainer state after iteration {iteration} ({role.state}) is not in the store (not written: "
+          f"trainer.trainer_state_freq, or the process stopped while writing it): redoing that {role.stage} from "
+          f"the state before it", file=sys.stderr, flush=True)
     past = StageContext(run_uri=ctx.run_uri, iteration=iteration, run=ctx.run, config=ctx.config)
     previous = past.checkpoint_manifest(role.stage, iteration - 1)
     model, optimizer, steps, _ = load_trainer_state(past, role, optim_cfg, previous)
@@ -185,6 +186,11 @@ _TIMING_SUFFIX = {"actor": "", "critic": "_critic"}
 def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str, float]:
     """Load (or reuse) the training copy, step it, commit the weights, hand them to this process's
     inference copies, and write the trainer state (in the background where the process lives on)."""
+    if ctx.config.trainer.n_gpus_per_node * ctx.config.trainer.nnodes > 1:
+        # Sharded over worker processes (kfrl.distributed): they commit; run_stage's commit finds theirs.
+        from kfrl.distributed import distributed_update
+
+        return distributed_update(ctx, role.name)
     model, optimizer, steps = trainer(ctx, role, optim_cfg, attempt)
     metrics, steps = TRAIN_STEP[role.name](ctx, table, model, optimizer, steps)
     suffix = _TIMING_SUFFIX[role.name]
@@ -200,11 +206,11 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
     metrics[f"timing_s/hand_off{suffix}"] = time.perf_counter() - started
     _RESIDENT_TRAINERS[role.name] = (_commit_key(ctx, attempt.prefix, attempt.attempt), model, optimizer, steps)
     started = time.perf_counter()
-    if _BACKGROUND["enabled"]:
+    if not _BACKGROUND["enabled"]:
+        _write_state(ctx, role, attempt.attempt, model, optimizer, steps)
+    elif state_due(ctx.config.trainer, ctx.iteration):
         _PENDING[role.name] = _StateWrite(ctx, role, attempt.attempt, model, optimizer, steps,
                                           previous=_PENDING.get(role.name)).start()
-    else:
-        _write_state(ctx, role, attempt.attempt, model, optimizer, steps)
     metrics[f"timing_s/save_trainer_state{suffix}"] = time.perf_counter() - started
     return metrics
 
@@ -232,27 +238,12 @@ def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: 
 
 
 def snapshot(model, optimizer) -> tuple[dict, dict]:
-    """(model state, optimizer state) copied off the accelerator: what a trainer-state write needs, so
-    the training copy may change while the files are written. Tied tensors stay one tensor."""
-    import torch
+    """(model state, optimizer state) copied off the accelerator (into reused pinned host memory): what a
+    trainer-state write needs, so the training copy may change while the files are written. Tied
+    tensors stay one tensor."""
+    from kfrl.models.hf_io import on_host
 
-    from kfrl.models.hf_io import tensor_identity
-
-    memo: dict[tuple, object] = {}
-
-    def off(value):
-        if isinstance(value, torch.Tensor):
-            key = tensor_identity(value)
-            if key not in memo:
-                memo[key] = value.detach().to("cpu", copy=True)
-            return memo[key]
-        if isinstance(value, dict):
-            return {key: off(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(off(item) for item in value)
-        return value
-
-    return off(model.state_dict()), off(optimizer.state_dict())
+    return on_host((model.state_dict(), optimizer.state_dict()))
 
 
 def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, optimizer, steps: int,
@@ -261,10 +252,12 @@ def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, opt
     then apply retention."""
     import torch
 
+    from kfrl.models.hf_io import save_hf
+
     model_state, optimizer_state = states or (model.state_dict(), optimizer.state_dict())
     state = ctx.store.open_attempt(stage_prefix(ctx.iteration, role.state))
     with state.staged_dir() as folder:
-        model.save_pretrained(folder, safe_serialization=True, state_dict=model_state)
+        save_hf(model, None, folder, state=model_state)
         torch.save(optimizer_state, folder / OPTIMIZER_FILE)
         (folder / TRAINER_STATE_FILE).write_text(json.dumps({"iteration": ctx.iteration, "optimizer_steps": steps}))
         failpoint("trainer_state")
@@ -272,22 +265,32 @@ def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, opt
     apply_retention(ctx, role)
 
 
+def state_due(trainer_cfg, iteration: int) -> bool:
+    """Whether a process that keeps its training copy writes the trainer state after ``iteration``:
+    every ``trainer_state_freq``-th, the last, and every ``save_freq``-th."""
+    save = trainer_cfg.save_freq
+    return (iteration % trainer_cfg.trainer_state_freq == 0 or iteration == trainer_cfg.total_iterations
+            or (save > 0 and iteration % save == 0))
+
+
 def apply_retention(ctx: StageContext, role: Role) -> list[int]:
-    """Delete trainer states that fell out of the window: older than the last ``keep_trainer_states``
-    iterations and not at a ``save_freq`` multiple. Returns the iterations deleted."""
+    """Delete trainer states that fell out of the window: all but the newest ``keep_trainer_states``
+    written ones (written every ``trainer_state_freq`` iterations), except those at a ``save_freq``
+    multiple. Returns the iterations deleted."""
     trainer_cfg = ctx.config.trainer
-    keep, save = trainer_cfg.keep_trainer_states, trainer_cfg.save_freq
+    keep, save, every = trainer_cfg.keep_trainer_states, trainer_cfg.save_freq, trainer_cfg.trainer_state_freq
     if keep <= 0:
         return []
+    # The iterations that can hold a state of the window or one that just left it (one further back
+    # mops up after a process killed mid-delete).
+    lowest = max(INIT_ITERATION, ctx.iteration - (keep + 1) * every - 1)
+    written = [i for i in range(ctx.iteration, lowest, -1) if ctx.store.is_committed(stage_prefix(i, role.state))]
     deleted = []
-    # The two iterations that just left the window (the second mops up after a process killed mid-delete).
-    for iteration in (ctx.iteration - keep, ctx.iteration - keep - 1):
-        if iteration <= INIT_ITERATION or (save > 0 and iteration % save == 0):
+    for iteration in written[keep:]:
+        if save > 0 and iteration % save == 0:
             continue
-        prefix = stage_prefix(iteration, role.state)
-        if ctx.store.is_committed(prefix):
-            ctx.store.remove_commit(prefix)
-            deleted.append(iteration)
+        ctx.store.remove_commit(stage_prefix(iteration, role.state))
+        deleted.append(iteration)
     return deleted
 
 

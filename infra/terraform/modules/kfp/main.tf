@@ -10,6 +10,8 @@
 
 locals {
   manifests = "${var.repository}/manifests/kustomize"
+  # Where the standalone manifests install KFP and run pipeline pods.
+  namespace = "kubeflow"
 }
 
 data "kustomization_build" "cluster_scoped" {
@@ -90,4 +92,58 @@ resource "kustomization_resource" "platform_p2" {
   )
 
   depends_on = [kustomization_resource.platform_p1]
+}
+
+# --- Multi-node updates: pipeline pods submit training jobs ---
+# With trainer.nnodes > 1 the update task of a pipeline creates a Kubeflow Trainer TrainJob
+# (cluster.multi_node = "trainjob") or a training-operator PyTorchJob ("pytorchjob") in the namespace
+# the pipeline runs in, then reads its status until it ends (kfrl.distributed.multinode). Standalone
+# KFP runs pipeline pods as the pipeline-runner service account of "kubeflow"; it gets create and get
+# on those two kinds there, nothing else (no delete: a failed job stays for its logs until a person
+# deletes it). The Role names the kinds whether or not their CRDs are installed.
+
+resource "kubernetes_role_v1" "multi_node_jobs" {
+  count = var.multi_node_rbac ? 1 : 0
+
+  metadata {
+    name      = "kfrl-multi-node-jobs"
+    namespace = local.namespace
+    labels    = { "app.kubernetes.io/part-of" = "kfrl" }
+  }
+
+  rule {
+    api_groups = ["trainer.kubeflow.org"]
+    resources  = ["trainjobs"]
+    verbs      = ["create", "get"]
+  }
+
+  rule {
+    api_groups = ["kubeflow.org"]
+    resources  = ["pytorchjobs"]
+    verbs      = ["create", "get"]
+  }
+
+  depends_on = [kustomization_resource.platform_p2]
+}
+
+resource "kubernetes_role_binding_v1" "multi_node_jobs" {
+  count = var.multi_node_rbac ? 1 : 0
+
+  metadata {
+    name      = "kfrl-multi-node-jobs"
+    namespace = local.namespace
+    labels    = { "app.kubernetes.io/part-of" = "kfrl" }
+  }
+
+  role_ref {
+    api_group = "rbac.authorization.k8s.io"
+    kind      = "Role"
+    name      = kubernetes_role_v1.multi_node_jobs[0].metadata[0].name
+  }
+
+  subject {
+    kind      = "ServiceAccount"
+    name      = var.pipeline_service_account
+    namespace = local.namespace
+  }
 }

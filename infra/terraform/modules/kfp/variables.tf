@@ -26,3 +26,15 @@ variable "wait_timeout" {
   type        = string
   default     = "15m"
 }
+
+variable "multi_node_rbac" {
+  description = "Let pipeline pods create and read Kubeflow Trainer TrainJobs and training-operator PyTorchJobs in the KFP namespace (kfrl's multi-node updates, trainer.nnodes > 1)."
+  type        = bool
+  default     = true
+}
+
+variable "pipeline_service_account" {
+  description = "Service account the standalone KFP runs pipeline pods as (bound to the multi-node Role)."
+  type        = string
+  default     = "pipeline-runner"
+}

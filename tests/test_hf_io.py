@@ -1,0 +1,87 @@
+"""kfrl's own safetensors writer: files the reference reader and ``from_pretrained`` take as written."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kfrl.models.hf_io import save_hf, unique_state, write_safetensors
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir():
+    from kfrl.models.tiny import materialize_builtin
+
+    return materialize_builtin("builtin:tiny-qwen2-arith")
+
+
+def _read_all(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            assert fh.metadata() == {"format": "pt"}
+            out.update({key: fh.get_tensor(key) for key in fh.keys()})
+    return out
+
+
+def test_round_trip_every_dtype_and_empty_and_scalar(tmp_path):
+    tensors = {
+        "f32": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "f16": torch.randn(2, 2).half(),
+        "i64": torch.arange(6).reshape(2, 3), "mask": torch.tensor([True, False]), "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4), "strided": torch.randn(4, 6)[:, ::2],
+    }
+    write_safetensors(tensors, tmp_path)
+    back = _read_all(tmp_path)
+    assert set(back) == set(tensors)
+    for key, tensor in tensors.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+
+
+def test_shards_with_an_index_beyond_the_shard_size(tmp_path):
+    tensors = {f"layer{i}.weight": torch.full((256,), float(i)) for i in range(5)}  # 1 KiB each
+    files = write_safetensors(tensors, tmp_path, max_shard_bytes=2048)
+    assert [f.name for f in files] == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 5 * 1024
+    assert index["weight_map"]["layer4.weight"] == "model-00003-of-00003.safetensors"
+    assert all(torch.equal(t, tensors[k]) for k, t in _read_all(tmp_path).items())
+
+
+def test_tied_weights_are_written_once_and_load_back(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tied = model.config.tie_word_embeddings
+    save_hf(model, None, tmp_path, dtype=torch.bfloat16)
+    stored = _read_all(tmp_path)
+    assert all(t.dtype == torch.bfloat16 for t in stored.values() if t.is_floating_point())
+    assert ("lm_head.weight" in stored) == (not tied)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a.to(torch.bfloat16).float(), b), name
+    assert len(unique_state(model.state_dict())) == len(model.state_dict()) - int(tied)
+
+
+def test_a_background_write_does_not_hold_the_interpreter(tmp_path):
+    """The trainer state is written on a thread while stages run: the writer must release the GIL
+    while bytes are copied (safetensors' own save_file holds it for most of a large write)."""
+    tensors = {f"t{i}": torch.randn(8 * 2**20 // 4) for i in range(24)}  # 192 MiB
+    stalls, done = [], threading.Event()
+    thread = threading.Thread(target=lambda: (write_safetensors(tensors, tmp_path), done.set()))
+    thread.start()
+    while not done.is_set():
+        started = time.perf_counter()
+        time.sleep(0.001)
+        stalls.append(time.perf_counter() - started)
+    thread.join()
+    assert len(stalls) > 3
+    assert max(stalls) < 0.05, f"the main thread waited {max(stalls):.3f} s for the interpreter"
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
