@@ -88,6 +88,18 @@ def profile_update(model, args) -> dict:
         out[f"on-policy, logit chunk 2^{elements.bit_length() - 1}"] = {"s": seconds}
     inference.LOGIT_CHUNK_ELEMENTS = saved
 
+    from kfrl.stages.update import compile_layers
+
+    if torch.cuda.is_available():
+        compile_layers(model)
+        started = time.perf_counter()
+        step(on_policy)()
+        _sync()
+        out["torch.compile: first update (compiles)"] = {"s": round(time.perf_counter() - started, 2)}
+        seconds = _timed(step(on_policy))
+        out["on-policy, torch.compile blocks"] = {"s": seconds, "mfu": round(flops / seconds / 989e12, 3)}
+        print(out["on-policy, torch.compile blocks"], flush=True)
+
     # Forward+backward of the body alone (no LM head): the transformer's share.
     device = next(model.parameters()).device
     batch = on_policy.to(device).select(slice(0, args.micro))
@@ -162,6 +174,18 @@ def write_speeds(work: Path) -> dict:
             os.close(fd)
             out[f"{where} x{threads}"] = round(time.perf_counter() - started, 3)
             path.unlink()
+    import torch
+
+    from kfrl.models.hf_io import write_safetensors
+
+    pageable = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    pinned = torch.empty(len(data), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    pinned.copy_(pageable)
+    for name, tensor in (("pageable", pageable), ("pinned", pinned)):
+        for repeat in range(2):
+            started = time.perf_counter()
+            write_safetensors({"w": tensor}, work / f"st-{name}-{repeat}")
+            out[f"write_safetensors 1 GiB from {name} memory, run {repeat + 1}"] = round(time.perf_counter() - started, 3)
     return out
 
 

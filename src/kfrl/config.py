@@ -162,6 +162,16 @@ class ActorConfig(Section):
     ppo_mini_batch_size: int = Field(8, ge=1, description="prompts per optimizer step")
     ppo_micro_batch_size_per_gpu: int = Field(8, ge=1, description="trajectories per forward/backward")
     ppo_epochs: int = Field(1, ge=1)
+    # veRL's dynamic batch size: micro-batches of at most ppo_max_token_len_per_gpu tokens (padded to
+    # their longest, longest sequences first) instead of ppo_micro_batch_size_per_gpu rows, each cut to
+    # its own longest sequence, so the forward computes almost no padding. Changes the micro-batch
+    # composition, hence token-mean's weighting across micro-batches, as in veRL.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = Field(16384, ge=1)
+    # CUDA only: compile the training copy's transformer blocks with torch.compile (Inductor fuses their
+    # elementwise work). The first update of a process pays the compilation (tens of seconds): worth it
+    # in a resident engine, not for a task that runs one update.
+    use_torch_compile: bool = False
     shuffle: bool = False
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None

@@ -95,6 +95,16 @@ class Trajectories:
                             self.response_ids[rows], self.response_mask[rows], self.lengths[rows],
                             {k: v[rows] for k, v in self.fields.items()})
 
+    def trimmed(self) -> "Trajectories":
+        """The same trajectories without the trailing columns that are padding in every row: a
+        micro-batch of similar lengths then computes no padding tokens (``use_dynamic_bsz``)."""
+        width = max(1, int(self.attention_mask.sum(-1).max())) if len(self) else 1
+        length = max(1, int(self.lengths.max())) if len(self) else 1
+        return Trajectories(self.input_ids[:, :width], self.attention_mask[:, :width],
+                            self.gather_positions[:, :length], self.response_ids[:, :length],
+                            self.response_mask[:, :length], self.lengths,
+                            {k: v[:, :length] for k, v in self.fields.items()})
+
     def get(self, name: str) -> torch.Tensor | None:
         return self.fields.get(name)
 

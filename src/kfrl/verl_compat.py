@@ -25,6 +25,9 @@ VERL_KEYS: dict[str, str] = {
     # The deprecated global micro-batch equals the per-GPU one on a single worker.
     f"{AR}.actor.ppo_micro_batch_size": "actor.ppo_micro_batch_size_per_gpu",
     f"{AR}.actor.ppo_epochs": "actor.ppo_epochs",
+    f"{AR}.actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
+    f"{AR}.actor.use_torch_compile": "actor.use_torch_compile",
+    f"{AR}.actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu",
     # fsdp / fsdp2: torch FSDP2; deepspeed: ZeRO (actor.deepspeed_zero_stage); megatron is refused by the config.
     f"{AR}.actor.strategy": "actor.strategy",
     f"{AR}.actor.shuffle": "actor.shuffle",
@@ -93,7 +96,8 @@ _VLLM = "a vLLM engine setting kfrl does not pass on"
 _MEMORY = "a memory/throughput knob of veRL's FSDP workers; kfrl has no equivalent"
 _UNUSED_MODEL = "a model-loading option of veRL's workers that kfrl does not use"
 _FIXED_LR = "kfrl's optimizers are AdamW with a constant learning rate (no warm-up or schedule)"
-_BY_COUNT = "kfrl micro-batches by count (the *_micro_batch_size_per_gpu keys), not by tokens"
+_BY_COUNT = ("kfrl micro-batches these passes by count (the *_micro_batch_size_per_gpu keys); only the actor update "
+             "takes a token budget (actor.use_dynamic_bsz)")
 _STORE = "checkpoints live in the run's store (store.uri); resume with kfrl train --run-id"
 # Keys are exact veRL keys; a key ending in "." stands for a whole subtree of engine settings.
 # Only subtrees are wildcards, so a misspelt veRL key is still an error with a suggestion.
@@ -123,10 +127,7 @@ IGNORED: dict[str, str] = {
     f"{AR}.actor.fsdp_config.": _MEMORY,
     f"{AR}.actor.megatron.": _PARALLEL,
     f"{AR}.actor.ulysses_sequence_parallel_size": _PARALLEL,
-    f"{AR}.actor.use_dynamic_bsz": _BY_COUNT,
-    f"{AR}.actor.ppo_max_token_len_per_gpu": _BY_COUNT,
     f"{AR}.actor.checkpoint.": "kfrl commits a full HF checkpoint (weights, tokenizer, optimizer) every iteration",
-    f"{AR}.actor.use_torch_compile": _MEMORY,
     f"{AR}.actor.calculate_entropy": "kfrl reports actor/entropy from the old-logprob pass or the update",
     f"{AR}.actor.loss_scale_factor": "seq-mean-token-sum-norm divides by the padded response length, veRL's default",
     f"{AR}.actor.policy_loss.rollout_correction.": "rollout correction (importance weights from rollout log-probs) is not implemented",

@@ -507,13 +507,15 @@ def actor_loss(
                                  loss_agg_mode=loss_agg_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
                                  clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, **policy_loss_knobs)
     stats = {"actor/pg_loss": float(pg_loss.detach()), **stats}
+    scale = policy_loss_knobs.get("loss_scale_factor")  # the entropy and KL terms share the policy loss's
     loss = pg_loss
     if entropy_coeff != 0:
         if entropy is None:
             raise ValueError("entropy_coeff != 0 needs the per-token entropy")
-        loss = loss - entropy_coeff * agg_loss(entropy, response_mask, loss_agg_mode)
+        loss = loss - entropy_coeff * agg_loss(entropy, response_mask, loss_agg_mode, loss_scale_factor=scale)
     if ref_log_prob is not None:
-        kl_loss = agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask, loss_agg_mode)
+        kl_loss = agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask, loss_agg_mode,
+                           loss_scale_factor=scale)
         loss = loss + kl_loss_coef * kl_loss
         stats["actor/kl_loss"] = float(kl_loss.detach())
         stats["actor/kl_coef"] = float(kl_loss_coef)

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 
-
 class DistributedUpdateError(RuntimeError):
     """A distributed stage cannot run as configured, or one of its processes failed."""
 
@@ -34,12 +33,8 @@ def distributed_update(ctx, role_name: str) -> dict[str, float]:
 
     role = ROLES[role_name]
     if ctx.config.trainer.nnodes > 1:
-        try:
-            from kfrl.distributed.multinode import run_multinode_update
-        except ImportError as err:
-            raise DistributedUpdateError(
-                f"trainer.nnodes={ctx.config.trainer.nnodes} needs kfrl.distributed.multinode, which cannot be "
-                f"imported ({err}); run with trainer.nnodes=1") from None
+        from kfrl.distributed.multinode import run_multinode_update
+
         run_multinode_update(ctx, role_name)
     else:
         from kfrl.distributed.launch import run_distributed_update

@@ -29,9 +29,13 @@ def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, min
     # loss. Its stream is kept apart from the mini-batch shuffle, which is seeded with `seed` itself.
     loss_generator = torch.Generator().manual_seed((seed + LOSS_GENERATOR_SEED_OFFSET) % 2**63)
     metrics: dict[str, list[float]] = defaultdict(list)
+    # veRL's use_dynamic_bsz: micro-batches by token budget, each cut to its own longest sequence. The
+    # seq-mean-token-sum-norm constant stays the batch's padded response length.
+    dynamic = actor_cfg.use_dynamic_bsz
+    full_length = full.response_mask.shape[-1]
 
     def micro_step(rows: torch.Tensor) -> torch.Tensor:
-        batch = full.select(rows)
+        batch = full.select(rows).trimmed() if dynamic else full.select(rows)
         mask = batch.response_mask
         # Entropy costs a softmax over the vocabulary: only when it is in the loss, or when no
         # old-logprob pass reported actor/entropy for this batch.
@@ -47,7 +51,8 @@ def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, min
             kl_loss_coef=actor_cfg.kl_loss_coef, tau_pos=actor_cfg.tau_pos, tau_neg=actor_cfg.tau_neg,
             clip_cov_ratio=actor_cfg.clip_cov_ratio, clip_cov_lb=actor_cfg.clip_cov_lb,
             clip_cov_ub=actor_cfg.clip_cov_ub, kl_cov_ratio=actor_cfg.kl_cov_ratio,
-            ppo_kl_coef=actor_cfg.ppo_kl_coef, dro_beta=actor_cfg.dro_beta, generator=loss_generator)
+            ppo_kl_coef=actor_cfg.ppo_kl_coef, dro_beta=actor_cfg.dro_beta, generator=loss_generator,
+            loss_scale_factor=full_length if dynamic else None)
         for key, value in stats.items():
             metrics[key].append(value)
         return loss
@@ -55,6 +60,8 @@ def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, min
     loop_metrics = optimize(model, optimizer, len(full), micro_step, mini_batch_size=mini_batch_size,
                             micro_batch_size=actor_cfg.ppo_micro_batch_size_per_gpu, epochs=actor_cfg.ppo_epochs,
                             shuffle=actor_cfg.shuffle, seed=seed, grad_clip=actor_cfg.grad_clip, prefix="actor",
-                            progress=progress, sample_ids=sample_ids, step_metrics=metrics)
+                            progress=progress, sample_ids=sample_ids,
+                            token_budget=actor_cfg.ppo_max_token_len_per_gpu if dynamic else 0,
+                            sequence_lengths=full.attention_mask.sum(-1).cpu() if dynamic else None, step_metrics=metrics)
     metrics.update(loop_metrics)
     return mean_metrics(metrics)

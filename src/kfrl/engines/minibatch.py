@@ -42,11 +42,14 @@ class NonFiniteLossError(FloatingPointError):
 def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor], torch.Tensor], *,
              mini_batch_size: int, micro_batch_size: int, epochs: int, shuffle: bool, seed: int, grad_clip: float,
              prefix: str, progress=None, sample_ids: Sequence | None = None,
-             step_metrics: dict[str, list] | None = None) -> dict[str, list[float]]:
+             step_metrics: dict[str, list] | None = None, token_budget: int = 0,
+             sequence_lengths: torch.Tensor | None = None) -> dict[str, list[float]]:
     """Runs the loop in place. ``micro_step(rows)`` returns the micro-batch loss (mean over its rows,
     before weighting) and may append its own metrics (to ``step_metrics``, one value per key and
     micro-batch: a data-parallel update merges them over processes); returns ``{prefix}/grad_norm`` etc.
-    as lists. A non-finite loss raises NonFiniteLossError naming the micro-batch's samples (``sample_ids``)."""
+    as lists. A non-finite loss raises NonFiniteLossError naming the micro-batch's samples (``sample_ids``).
+    With ``token_budget`` > 0 micro-batches are cut by tokens instead of rows (``budget_micro_batches``
+    over ``sequence_lengths``, veRL's ``use_dynamic_bsz``)."""
     parallel = _DATA_PARALLEL.get()
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
@@ -57,8 +60,11 @@ def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor]
         for mb_start in range(0, n_total, mini_batch_size):
             mini_rows = order[mb_start:mb_start + mini_batch_size]
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = [mini_rows[mc_start:mc_start + micro_batch_size]
-                             for mc_start in range(0, len(mini_rows), micro_batch_size)]
+            if token_budget > 0:
+                micro_batches = budget_micro_batches(mini_rows, sequence_lengths, token_budget)
+            else:
+                micro_batches = [mini_rows[mc_start:mc_start + micro_batch_size]
+                                 for mc_start in range(0, len(mini_rows), micro_batch_size)]
             passes = [(rows, True) for rows in micro_batches] if parallel is None else parallel.passes(micro_batches)
             for rows, real in passes:
                 rows = rows.to(device)
@@ -98,6 +104,20 @@ def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor]
     if parallel is not None and step_metrics is not None:
         parallel.merge(step_metrics)
     return metrics
+
+
+def budget_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """``rows`` cut into micro-batches of at most ``budget`` tokens once padded to their longest member:
+    longest first, each micro-batch filled while (rows + 1) x its longest fits (a row longer than the
+    budget goes alone). Sorting by length is what leaves almost no padding in a micro-batch."""
+    order = sorted(rows.tolist(), key=lambda row: -int(lengths[row]))
+    batches: list[list[int]] = []
+    for row in order:
+        if batches and (len(batches[-1]) + 1) * int(lengths[batches[-1][0]]) <= budget:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    return [torch.tensor(batch, dtype=rows.dtype) for batch in batches]
 
 
 def mean_metrics(metrics: dict[str, list[float]]) -> dict[str, float]:

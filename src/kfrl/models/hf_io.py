@@ -100,6 +100,7 @@ _SAFETENSORS_DTYPES = {
 }
 MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
 WRITE_THREADS = 4
+WRITE_CHUNK = 64 * 2**20
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], folder: str | Path, *,
@@ -147,19 +148,24 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: str | Path, *,
         try:
             os.pwrite(fd, struct.pack("<Q", len(encoded)) + encoded, 0)
 
-            def put(key: str) -> None:
+            pieces = []  # (bytes, file offset), at most WRITE_CHUNK each, so threads share a big tensor too
+            for key in keys:
                 tensor = tensors[key].detach()
                 if tensor.numel():
                     host = memoryview(tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
                     at = start + header[key]["data_offsets"][0]
-                    while host:  # pwrite may write less than asked
-                        written = os.pwrite(fd, host, at)
-                        host, at = host[written:], at + written
+                    pieces += [(host[i:i + WRITE_CHUNK], at + i) for i in range(0, len(host), WRITE_CHUNK)]
+
+            def put(piece) -> None:
+                data, at = piece
+                while data:  # pwrite may write less than asked
+                    written = os.pwrite(fd, data, at)
+                    data, at = data[written:], at + written
 
             # Several writers at disjoint offsets: some file systems (gVisor's, overlays) take one
             # stream of writes at a fraction of their throughput.
             with ThreadPoolExecutor(WRITE_THREADS) as pool:
-                list(pool.map(put, keys))
+                list(pool.map(put, pieces))
         finally:
             os.close(fd)
     if len(shards) > 1:
@@ -228,6 +234,7 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, o
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = model.config
+    config.architectures = [type(model).__name__]  # as save_pretrained does: what AutoModel loaders read
     saved_dtype = config.dtype
     if dtype is not None:
         config.dtype = dtype  # config.json says what the file holds
