@@ -396,6 +396,9 @@ def record_iteration(run: Run, tracker, config: Config, iteration: int, step_tim
     if due and actor_update is not None and not actor_update.info.get("skipped"):  # none during critic warm-up
         from kfrl.tracking import VALIDATION_PREFIX, mlflow_metric_name
 
+        from kfrl.store import settle_in_flight
+
+        settle_in_flight()  # the folder must be complete (an update may still be writing it)
         # The version's source is the committed folder itself: an HF directory with an MLmodel file.
         folder = run.store.url(f"{actor_update.prefix}/{actor_update.attempt}")
         tags = {mlflow_metric_name(k): f"{v:.8g}" for k, v in metrics.items() if k.startswith(VALIDATION_PREFIX)}

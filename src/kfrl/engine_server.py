@@ -40,6 +40,7 @@ def create_app(run_uri: str, on_shutdown=None):
     from fastapi.responses import JSONResponse
 
     from kfrl.stages import run_stage
+    from kfrl.store import settle_in_flight
 
     app = FastAPI(title="kfrl engine", docs_url=None, redoc_url=None)
     lock = threading.Lock()
@@ -57,6 +58,9 @@ def create_app(run_uri: str, on_shutdown=None):
             started = time.perf_counter()
             try:
                 result = run_stage(request.stage, request.run_uri, request.iteration)
+                # A task returns when its stage is committed for every process: the weights an update
+                # writes in the background are finished before the engine answers.
+                settle_in_flight()
             except Exception as err:  # noqa: BLE001 - reported to the task, which fails with it
                 traceback.print_exc()
                 return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=500)

@@ -176,7 +176,12 @@ class Run:
                              f"{text[:40]!r}; fix or delete it") from err
 
     def set_latest(self, iteration: int) -> None:
-        self.store.write_text(LATEST_FILE, f"{_check_iteration(iteration)}\n")
+        """Move LATEST to ``iteration`` once every commit this process still writes in the background
+        (an update's weights) is durable: at once when there is none."""
+        from kfrl.store import after_in_flight
+
+        text = f"{_check_iteration(iteration)}\n"
+        after_in_flight(lambda: self.store.write_text(LATEST_FILE, text))
 
     # --- the resident engine ------------------------------------------------------------------------
     def engine(self) -> dict | None:

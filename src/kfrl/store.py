@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -148,6 +149,76 @@ class Manifest:
                 f"manifest {source} is not a valid kfrl manifest ({err}); it was not written by kfrl or was "
                 "edited. Restore it from a copy, or delete it so that its stage runs again."
             ) from err
+
+
+class InFlightManifest(Manifest):
+    """A commit this process is still writing on a background thread (``Attempt.commit_in_background``):
+    its prefix, attempt, metrics and info are final and readable now; reading its ``files`` waits until
+    they are written and committed (and raises if that failed)."""
+
+    def __init__(self, pending: "_InFlight", early_dir: Path | None = None, early_files: list[dict] | None = None,
+                 **fields):
+        super().__init__(files=[], **fields)
+        self._pending = pending
+        # Files the writer made readable before the commit (a checkpoint's config and tokenizer), in a
+        # local folder, with their entries: what a reader may use without waiting for the rest.
+        self.early_dir = early_dir
+        self.early_files = early_files or []
+
+    @property
+    def files(self) -> list[dict]:
+        return self._pending.wait().files
+
+    @files.setter
+    def files(self, value) -> None:  # the dataclass __init__ assigns it; the real list comes with the commit
+        pass
+
+
+class _InFlight:
+    """One background commit: the thread writing the attempt's files and then its manifest."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.done = threading.Event()
+        self.manifest: Manifest | None = None
+        self.error: BaseException | None = None
+        self.then: list[Callable[[], None]] = []   # run in order after the commit, on its thread
+        self.visible: InFlightManifest | None = None  # what readers in this process see meanwhile
+
+    def wait(self) -> Manifest:
+        """The committed manifest, once written. A failure is raised (to the first waiter that sees it;
+        the commit then no longer exists for this process either, so a retried stage runs again)."""
+        self.done.wait()
+        if self.error is not None:
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.pop(self.url, None)
+            raise StoreError(f"committing {self.url} in the background failed ({type(self.error).__name__}: "
+                             f"{self.error}); the stage is not committed and runs again on resume") from self.error
+        return self.manifest
+
+
+# Background commits of this process, oldest first, by manifest URL: readers in the process see them
+# as committed (``Store.manifest``) and any commit with files waits for them first, so commits become
+# durable in the order they were made.
+_IN_FLIGHT: dict[str, _InFlight] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def settle_in_flight() -> None:
+    """Wait for every background commit of this process; raise the first failure."""
+    for pending in list(_IN_FLIGHT.values()):
+        pending.wait()
+
+
+def after_in_flight(action: Callable[[], None]) -> None:
+    """Run ``action`` now, or right after the newest background commit (on its thread, only if every
+    commit before it succeeded): e.g. moving LATEST past an iteration whose weights are still written."""
+    with _IN_FLIGHT_LOCK:
+        newest = next(reversed(_IN_FLIGHT.values()), None)
+        if newest is not None:
+            newest.then.append(action)
+            return
+    action()
 
 
 def _check_metrics(metrics: dict | None, where: str) -> dict:
@@ -503,6 +574,9 @@ class Store:
 
     def manifest(self, prefix: str) -> Manifest | None:
         uri = self.manifest_url(prefix)
+        pending = _IN_FLIGHT.get(uri)
+        if pending is not None:
+            return pending.visible
         try:
             raw = self._retrying("read manifest", uri, lambda: self._raw_read(uri))
         except FileNotFoundError:
@@ -511,6 +585,8 @@ class Store:
 
     def is_committed(self, prefix: str) -> bool:
         uri = self.manifest_url(prefix)
+        if uri in _IN_FLIGHT:
+            return True
         return self._retrying("check", uri, lambda: self.fs.exists(uri))
 
     def file_url(self, manifest: Manifest, name: str) -> str:
@@ -602,6 +678,9 @@ class Attempt:
         self._manifest: Manifest | None = None
         # Facts the writer wants in the manifest (merged with commit's ``info``), e.g. a data cursor.
         self.info: dict = {}
+        self._background: Callable[[Path], None] | None = None  # write_in_background's writer
+        self._early_dir: Path | None = None
+        self._in_flight: InFlightManifest | None = None
 
     def __repr__(self) -> str:
         return f"Attempt({self.url!r})"
@@ -668,10 +747,66 @@ class Attempt:
         for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
             self.upload_file(path.relative_to(local_dir).as_posix(), path)
 
+    def write_in_background(self, write: Callable[[Path], None], *, early_dir: Path | None = None) -> None:
+        """Have ``commit`` return at once and do the rest on a thread: ``write(folder)`` fills a
+        ``staged_dir`` with the attempt's files, then the manifest is committed. Until then this process
+        sees the commit as an ``InFlightManifest`` (reading its files waits), and every later commit with
+        files waits for it. Only for a process that lives on past the stage (the resident engine, the
+        inline runner), which settles (``settle_in_flight``) before it ends. ``early_dir``: a local folder
+        of small files (``write`` writes them too) that readers may use before the commit."""
+        self._background = write
+        self._early_dir = early_dir
+
     def commit(self, *, metrics: dict | None = None, info: dict | None = None) -> Manifest:
         """Publish this attempt; if another attempt committed first, return its manifest instead."""
         if self._manifest is not None:
             return self._manifest
+        if self._in_flight is not None:
+            return self._in_flight
+        if self._background is not None:
+            return self._commit_in_background(metrics, info)
+        if self._files:
+            settle_in_flight()  # commits become durable in the order they were made
+        return self._publish(metrics, info)
+
+    def _commit_in_background(self, metrics: dict | None, info: dict | None) -> Manifest:
+        write, self._background = self._background, None
+        url = self.store.manifest_url(self.prefix)
+        pending = _InFlight(url)
+        early = self._early_dir
+        early_files = [{"name": p.relative_to(early).as_posix(), "size": size, WRITE_DIGEST: digest}
+                       for p in sorted(early.rglob("*")) if p.is_file()
+                       for size, digest in [_hash_local_file(p, WRITE_DIGEST)]] if early is not None else []
+        pending.visible = InFlightManifest(pending, early_dir=early, early_files=early_files,
+                                           prefix=self.prefix, attempt=self.attempt,
+                                           metrics=_check_metrics(metrics, url),
+                                           info=_check_info({**self.info, **(info or {})}, url), created_at=_now_iso())
+        with _IN_FLIGHT_LOCK:
+            earlier = list(_IN_FLIGHT.values())
+            _IN_FLIGHT[url] = pending
+
+        def run() -> None:
+            try:
+                for before in earlier:
+                    before.wait()
+                with self.staged_dir() as folder:
+                    write(folder)
+                pending.manifest = self._publish(metrics, info)
+                for action in pending.then:
+                    action()
+            except BaseException as err:  # noqa: BLE001 - kept, and raised to whoever waits on this commit
+                pending.error = err
+            finally:
+                if pending.error is None:
+                    with _IN_FLIGHT_LOCK:
+                        _IN_FLIGHT.pop(url, None)
+                pending.done.set()
+
+        self._in_flight = pending.visible
+        threading.Thread(target=run, name=f"kfrl-commit-{self.prefix}", daemon=True).start()
+        return pending.visible
+
+    def _publish(self, metrics: dict | None, info: dict | None) -> Manifest:
         store = self.store
         uri = store.manifest_url(self.prefix)
         mine = Manifest(

@@ -226,32 +226,59 @@ def unique_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = Non
     return out
 
 
+def config_files(model: PreTrainedModel, dtype: torch.dtype | None = None) -> dict[str, bytes]:
+    """``config.json`` (saying ``dtype`` when given, and the model's class as ``save_pretrained`` does)
+    and, for a generative model, ``generation_config.json``: name → bytes, ready to write anywhere."""
+    import tempfile
+
+    config = model.config
+    config.architectures = [type(model).__name__]  # what AutoModel loaders read
+    saved_dtype = config.dtype
+    with tempfile.TemporaryDirectory(prefix="kfrl-config-") as tmp:
+        if dtype is not None:
+            config.dtype = dtype  # config.json says what the file holds
+        try:
+            config.save_pretrained(tmp)
+        finally:
+            config.dtype = saved_dtype
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and model.can_generate():
+            generation.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+
+def host_weights(model: PreTrainedModel, dtype: torch.dtype | None = None,
+                 state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of ``model`` (or of ``state``) holds, tied ones once, cast to ``dtype``,
+    in host memory (pinned when they come from an accelerator; see ``on_host``)."""
+    tensors = unique_state(state if state is not None else model.state_dict())
+    if any(t.device.type != "cpu" for t in tensors.values()):
+        tensors = on_host(tensors, dtype)
+    return unique_state(tensors, dtype)
+
+
+def write_hf_dir(out_dir: str | Path, configs: dict[str, bytes], weights: dict[str, torch.Tensor] | None,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+    """An HF model directory from ``config_files`` and ``host_weights`` (None: no weights file): what
+    ``save_hf`` writes, split so that the files can be written on another thread from a snapshot while
+    the model moves on."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in configs.items():
+        (out_dir / name).write_bytes(data)
+    if weights is not None:
+        write_safetensors(weights, out_dir)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out_dir)
+    return out_dir
+
+
 def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
             dtype: torch.dtype | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Save an HF model directory: config, generation config, safetensors weights (from ``state`` when
     given, else the model's own; cast to ``dtype`` when given: the model itself is left as it is) and
     the tokenizer (when given) into out_dir."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    config.architectures = [type(model).__name__]  # as save_pretrained does: what AutoModel loaders read
-    saved_dtype = config.dtype
-    if dtype is not None:
-        config.dtype = dtype  # config.json says what the file holds
-    try:
-        config.save_pretrained(out_dir)
-    finally:
-        config.dtype = saved_dtype
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and model.can_generate():
-        generation.save_pretrained(out_dir)
-    tensors = unique_state(state if state is not None else model.state_dict())
-    if any(t.device.type != "cpu" for t in tensors.values()):
-        tensors = on_host(tensors, dtype)
-    write_safetensors(unique_state(tensors, dtype), out_dir)
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, out_dir)
-    return out_dir
+    return write_hf_dir(out_dir, config_files(model, dtype), host_weights(model, dtype, state), tokenizer)
 
 
 # Saved tokenizer files per tokenizer object: every weights commit carries the tokenizer (twice, with

@@ -130,6 +130,8 @@ class StageContext:
         and the newest checkpoint only. ``training_state``: with the optimizer and trainer state (a
         checkpoint written before the two kinds were split). ``weights=False``: config, generation
         config and tokenizer only (what a stage needs beside weights it already holds in memory)."""
+        if not weights and not training_state and getattr(manifest, "early_dir", None) is not None:
+            return manifest.early_dir  # still being written in the background: its config and tokenizer are here
         if manifest.info.get("init_from") == "policy":
             # A critic initialised from the actor's initial weights (the value head is added on load).
             return self.checkpoint_dir(self.policy_manifest(INIT_ITERATION), training_state=training_state,
@@ -170,7 +172,8 @@ class StageContext:
 
         quiet_transformers()
         # Tokenizer files are the same in every checkpoint of a run: key by their content.
-        key = tuple(sorted((f["name"], entry_digest(f)) for f in manifest.files if _is_tokenizer_file(f["name"]))) \
+        files = getattr(manifest, "early_files", None) or manifest.files  # early: a commit still being written
+        key = tuple(sorted((f["name"], entry_digest(f)) for f in files if _is_tokenizer_file(f["name"]))) \
             or (self.store.url(manifest.prefix), manifest.attempt)
         return _cached_in(_TOKENIZER_CACHE, key, lambda: load_tokenizer(self.checkpoint_dir(manifest, weights=False)),
                           TOKENIZER_CACHE_SIZE)

@@ -20,6 +20,7 @@ to keep beyond the optimizer's step count.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -65,9 +66,13 @@ def write_states_in_background(enabled: bool = True) -> None:
 
 def drain() -> None:
     """Wait for every trainer-state write still running (a failure is reported, not raised: the state
-    is rebuilt by the update that needs it)."""
+    is rebuilt by the update that needs it), and for the weights commits written in the background (a
+    failure is raised: that update is not committed)."""
+    from kfrl.store import settle_in_flight
+
     for role in list(_PENDING):
         _PENDING.pop(role).wait()
+    settle_in_flight()
 
 
 def make_optimizer(model, optim_cfg):
@@ -210,8 +215,11 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
     suffix = _TIMING_SUFFIX[role.name]
     started = time.perf_counter()
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
-    metrics[f"timing_s/save_checkpoint_files{suffix}"] = save_weights(ctx, attempt, model, tokenizer,
-                                                                      mlflow_model=role.name == "actor")
+    if _BACKGROUND["enabled"]:  # a host snapshot now; the files and the commit on a thread
+        save_weights_later(ctx, attempt, model, tokenizer, mlflow_model=role.name == "actor")
+    else:
+        metrics[f"timing_s/save_checkpoint_files{suffix}"] = save_weights(ctx, attempt, model, tokenizer,
+                                                                          mlflow_model=role.name == "actor")
     attempt.info["optimizer_steps"] = steps
     if role.name == "actor":
         attempt.info["policy_version"] = ctx.iteration
@@ -254,6 +262,42 @@ def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: 
             write_mlmodel(folder, tokenizer, ctx.compute_dtype)
         written = time.perf_counter() - started
     return written
+
+
+def save_weights_later(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False) -> None:
+    """``save_weights`` for a process that lives on (the resident engine, the inline runner): the weights
+    are copied to host memory now (so the training copy may move on), and the files and the stage's
+    commit are written by a thread (``Attempt.write_in_background``). This process sees the commit at
+    once; its next commit with files (the next rollout) waits for it, so what is durable stays in order."""
+    from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
+
+    dtype = ctx.compute_dtype
+    configs, weights = config_files(model, dtype), host_weights(model, dtype)
+    # Config and tokenizer now, in a local folder: the next rollout reads them without waiting.
+    early = write_hf_dir(_early_folder(attempt.attempt), configs, None, tokenizer)
+
+    def write(folder) -> None:
+        write_hf_dir(folder, configs, weights, tokenizer)
+        if mlflow_model:
+            from kfrl.models.mlmodel import write_mlmodel
+
+            write_mlmodel(folder, tokenizer, dtype)
+
+    attempt.write_in_background(write, early_dir=early)
+
+
+def _early_folder(attempt_id: str) -> Path:
+    """A folder of this machine's cache for a background commit's early files; the two newest are kept
+    (a reader may hold the previous one while the next update writes)."""
+    import shutil
+
+    from kfrl.models import cache_dir
+
+    root = cache_dir() / "in-flight" / str(os.getpid())
+    root.mkdir(parents=True, exist_ok=True)
+    for old in sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)[:-1]:
+        shutil.rmtree(old, ignore_errors=True)
+    return root / attempt_id
 
 
 def snapshot(model, optimizer) -> tuple[dict, dict]:

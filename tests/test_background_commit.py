@@ -1,0 +1,92 @@
+"""The weights commit written in the background (a process that lives on: the resident engine, the
+inline runner): the process sees it at once, the next commit with files waits for it, LATEST moves
+after it, and a failure stops the run with nothing committed for that update."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kfrl.config import load_config
+from kfrl.models import hf_io
+from kfrl.run import Run
+from kfrl.stages import STAGES, run_stage, update
+from kfrl.stages.prepare import prepare_run
+from kfrl.store import InFlightManifest, Store, StoreError
+
+SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=16",
+         "actor.ppo_micro_batch_size_per_gpu=8", "pipeline.runner=inline", "trainer.total_iterations=3"]
+
+
+@pytest.fixture()
+def run(tmp_path):
+    config = load_config(Path("configs/demo.yaml"), SMALL + [f"store.uri={tmp_path}"])
+    store = Store(str(tmp_path / "run"))
+    prepare_run(store, config)
+    update.write_states_in_background(True)
+    yield Run.at(store.uri)
+    try:
+        update.drain()
+    except StoreError:
+        pass
+    update.write_states_in_background(False)
+
+
+def slow_weights(monkeypatch, seconds: float, started: threading.Event | None = None, fail: bool = False):
+    original = hf_io.write_safetensors
+
+    def slowly(tensors, folder, **kwargs):
+        if started is not None:
+            started.set()
+        time.sleep(seconds)
+        if fail:
+            raise OSError(28, "No space left on device")
+        return original(tensors, folder, **kwargs)
+
+    monkeypatch.setattr(hf_io, "write_safetensors", slowly)
+
+
+def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_commits_after_them(run, monkeypatch):
+    for stage in STAGES:
+        run_stage(stage, run.uri, 1)
+    run.set_latest(1)
+    slow_weights(monkeypatch, 1.0)
+    for stage in STAGES[:STAGES.index("update_actor") + 1]:
+        run_stage(stage, run.uri, 2)
+    seen = run.store.manifest("iter-000002/update_actor")
+    assert isinstance(seen, InFlightManifest)  # this process sees it committed; its files are still written
+    assert run.is_committed("update_actor", 2) and seen.info["policy_version"] == 2
+    manifest_file = Path(run.store.manifest_url("iter-000002/update_actor"))
+    assert not manifest_file.exists()
+    run.set_latest(2)
+    assert run.latest() == 1  # LATEST waits for the commit
+    for stage in STAGES[STAGES.index("update_actor") + 1:]:
+        run_stage(stage, run.uri, 2)
+    run_stage("rollout", run.uri, 3)  # generated from the handed-off weights; its commit waited for them
+    rollout_file = Path(run.store.manifest_url("iter-000003/rollout"))
+    assert manifest_file.stat().st_mtime_ns <= rollout_file.stat().st_mtime_ns
+    assert run.latest() == 2
+    assert {"model.safetensors", "config.json", "MLmodel"} <= set(seen.names())  # files: after the wait
+
+
+def test_a_failed_background_write_commits_nothing_and_stops_the_next_commit(run, monkeypatch):
+    for stage in STAGES:
+        run_stage(stage, run.uri, 1)
+    started = threading.Event()
+    slow_weights(monkeypatch, 0.2, started, fail=True)
+    for stage in STAGES[:STAGES.index("update_actor") + 1]:
+        run_stage(stage, run.uri, 2)
+    assert started.wait(10)
+    with pytest.raises(StoreError, match="iter-000002/update_actor.*No space left"):
+        for stage in STAGES[STAGES.index("update_actor") + 1:] + ("rollout",):
+            run_stage(stage, run.uri, 2 if stage != "rollout" else 3)
+    assert not Path(run.store.manifest_url("iter-000002/update_actor")).exists()
+    assert not Path(run.store.manifest_url("iter-000003/rollout")).exists()
+    # Raised once: the update is not committed for this process either, and running it again commits it.
+    monkeypatch.undo()
+    assert run.store.manifest("iter-000002/update_actor") is None
+    assert not run_stage("update_actor", run.uri, 2).cached
+    update.drain()
+    assert Path(run.store.manifest_url("iter-000002/update_actor")).exists()
