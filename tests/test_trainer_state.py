@@ -82,7 +82,9 @@ def test_handing_weights_off_in_memory_commits_what_loading_them_from_the_store_
         return result
 
     monkeypatch.setattr(stages, "run_stage", stage_in_a_fresh_process)
-    loaded = train(config(tmp_path / "b"), run_id="b", iterations=3)
+    # A task without an engine writes the trainer state every iteration (this process, an inline
+    # runner, would write it every trainer_state_freq-th only).
+    loaded = train(config(tmp_path / "b", "trainer.trainer_state_freq=1"), run_id="b", iterations=3)
     loaded_run = Run.at(loaded.run_uri)
     assert loaded_run.manifest("update_actor", 3).info["trainer_from"] == "store"
     expected, found = committed_tables(loaded_run, (1, 2, 3)), committed_tables(run, (1, 2, 3))

@@ -284,7 +284,7 @@ class TrainerConfig(Section):
     # instead of every iteration: k times less to write (12 bytes per parameter). After a crash the
     # states in between are rebuilt by redoing at most k-1 updates from committed batches. A process
     # that does not keep the copy (a task without an engine) writes it every iteration.
-    trainer_state_freq: int = Field(1, ge=1)
+    trainer_state_freq: int = Field(5, ge=1)
     seed: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Processes per node for the GPU stages (veRL's key): the update is sharded over them (actor.strategy)

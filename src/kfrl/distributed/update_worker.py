@@ -154,21 +154,16 @@ def _run(ctx, role, spec, strategy: str, device: str, rank: int, world_size: int
 def _commit(ctx, role, spec, model, model_state: dict, optimizer_state: dict, steps: int, metrics: dict,
             started: float, info: dict) -> None:
     """Rank 0: the weights commit and the trainer state, as the single-process ``update`` writes them."""
-    from kfrl.models.hf_io import save_hf
     from kfrl.run import INIT_ITERATION, stage_prefix
-    from kfrl.stages.update import _TIMING_SUFFIX, _write_state
+    from kfrl.stages.update import _TIMING_SUFFIX, _write_state, save_weights
 
     suffix = _TIMING_SUFFIX[role.name]
     saving = time.perf_counter()
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
     attempt = ctx.store.open_attempt(stage_prefix(ctx.iteration, role.stage))
     attempt.info.update(info)
-    with attempt.staged_dir() as folder:
-        save_hf(model, tokenizer, folder, dtype=ctx.compute_dtype, state=model_state)
-        if role.name == "actor":
-            from kfrl.models.mlmodel import write_mlmodel
-
-            write_mlmodel(folder, tokenizer, ctx.compute_dtype)
+    metrics[f"timing_s/save_checkpoint_files{suffix}"] = save_weights(
+        ctx, attempt, model, tokenizer, mlflow_model=role.name == "actor", state=model_state)
     attempt.info["optimizer_steps"] = steps
     if role.name == "actor":
         attempt.info["policy_version"] = ctx.iteration

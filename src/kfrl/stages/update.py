@@ -247,15 +247,17 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
 
 
 # --- writing the two kinds -----------------------------------------------------------------------
-def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False) -> float:
-    """The weights commit's files: the HF directory in the inference dtype, plus the tokenizer, and for
-    the policy an ``MLmodel`` file (the folder is what MLflow model versions point at). Returns the
-    seconds spent writing them (the rest of the call is hashing, or the upload to S3)."""
+def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False,
+                 state: dict | None = None) -> float:
+    """The weights commit's files: the HF directory in the inference dtype (of ``state`` when given, e.g.
+    gathered from shards), plus the tokenizer, and for the policy an ``MLmodel`` file (the folder is what
+    MLflow model versions point at). Returns the seconds spent writing them (the rest of the call is
+    hashing, or the upload to S3)."""
     from kfrl.models.hf_io import save_hf
 
     with attempt.staged_dir() as folder:
         started = time.perf_counter()
-        save_hf(model, tokenizer, folder, dtype=ctx.compute_dtype)
+        save_hf(model, tokenizer, folder, dtype=ctx.compute_dtype, state=state)
         if mlflow_model:
             from kfrl.models.mlmodel import write_mlmodel
 
