@@ -230,3 +230,38 @@ def test_deepspeed_that_is_not_installed_is_one_line_naming_the_extra():
     with pytest.raises(DistributedUpdateError, match=r"needs DeepSpeed, which is not installed: pip install "
                                                       r"kfrl\[gpu\], or use actor.strategy=fsdp2"):
         run_distributed_update(ctx, "actor", 2)
+
+
+def test_the_trainjob_command_under_torchrun_commits_what_the_launcher_commits(ppo_runs, tmp_path):
+    """What every node of a multi-node job runs (the TrainJob's command, with torchrun's settings in the
+    PET_* variables the torch-distributed runtime sets), here one node with two CPU processes."""
+    import os
+    import socket
+    import subprocess
+
+    from kfrl.distributed.multinode import trainjob_manifest
+
+    _, many = ppo_runs
+    uri = copy_run(many, tmp_path / "run")
+    run = Run(Store(uri))
+    expected = load_file(committed_files(many, "update_actor") / "model.safetensors")
+    for prefix in ("iter-000001/update_actor", "iter-000001/actor_state"):
+        run.store.remove_commit(prefix)
+    config = load_config(Path("configs/demo.yaml"), SMALL + PPO + ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"])
+    command = trainjob_manifest(config, uri, 1, "actor", "kfrl-test")["spec"]["trainer"]["command"]
+    assert command[:3] == ["torchrun", "-m", "kfrl.distributed.update_worker"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0",
+           "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *command[1:]], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = run.manifest("update_actor", 1)
+    assert manifest.info["world_size"] == 2
+    assert run.manifest("actor_state", 1).info["weights_attempt"] == manifest.attempt
+    assert max_diff(expected, load_file(committed_files(run, "update_actor") / "model.safetensors")) <= 1e-6
+    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", *command[1:]], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and run.manifest("update_actor", 1).attempt == manifest.attempt  # a retry: no-op
