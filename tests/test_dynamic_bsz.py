@@ -72,3 +72,20 @@ def test_trimming_keeps_every_real_token_and_only_drops_shared_padding():
     assert trimmed.response_mask.shape[1] == 2 and trimmed.get("advantages").shape[1] == 2
     assert torch.equal(trimmed.input_ids, trajectories.input_ids[:, :11])
     assert int(trimmed.gather_positions.max()) < trimmed.input_ids.shape[1]
+
+
+def test_log_probs_by_token_budget_equal_those_by_row_count(tiny):
+    from kfrl.engines.inference import compute_token_stats
+
+    trajectories = batch_of_varied_lengths(tiny.config.vocab_size)
+    by_rows = compute_token_stats(tiny, trajectories, temperature=0.8, micro_batch_size=3, with_entropy=True)
+    by_tokens = compute_token_stats(tiny, trajectories, temperature=0.8, micro_batch_size=3, with_entropy=True,
+                                    token_budget=30)
+    mask = trajectories.response_mask.bool()
+    for a, b in zip(by_rows[:2], by_tokens[:2]):
+        assert torch.allclose(a[mask].double(), b[mask].double(), atol=1e-6)
+    assert by_tokens[2] is None
+    # A budget below the longest sequence still computes it (alone).
+    alone = compute_token_stats(tiny, trajectories, temperature=0.8, micro_batch_size=3, with_entropy=False,
+                                token_budget=1)
+    assert torch.allclose(alone[0][mask].double(), by_rows[0][mask].double(), atol=1e-6)

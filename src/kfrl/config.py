@@ -82,6 +82,11 @@ class RolloutConfig(Section):
     # Prompts per generation call; 0 = all at once. Bounds the KV cache of the torch backend.
     micro_batch_size: int = Field(0, ge=0)
     log_prob_micro_batch_size_per_gpu: int = Field(64, ge=1)
+    # The old/ref log-prob passes by token budget, as actor.use_dynamic_bsz:
+    # micro-batches of at most log_prob_max_token_len_per_gpu tokens, each cut to its longest sequence.
+    # The log-probs are the same as by count: no row sees another.
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = Field(16384, ge=1)
     # HF backend KV cache: "static" pre-allocates it and lets transformers compile the decode
     # step (faster on GPU after a one-off compile; no gain on CPU).
     hf_cache: Literal["dynamic", "static"] = "dynamic"

@@ -27,6 +27,8 @@ VERL_KEYS: dict[str, str] = {
     f"{AR}.actor.ppo_epochs": "actor.ppo_epochs",
     f"{AR}.actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
     f"{AR}.actor.use_torch_compile": "actor.use_torch_compile",
+    f"{AR}.rollout.log_prob_use_dynamic_bsz": "rollout.log_prob_use_dynamic_bsz",
+    f"{AR}.rollout.log_prob_max_token_len_per_gpu": "rollout.log_prob_max_token_len_per_gpu",
     f"{AR}.actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu",
     # fsdp / fsdp2: torch FSDP2; deepspeed: ZeRO (actor.deepspeed_zero_stage); megatron is refused by the config.
     f"{AR}.actor.strategy": "actor.strategy",
@@ -96,8 +98,8 @@ _VLLM = "a vLLM engine setting kfrl does not pass on"
 _MEMORY = "a memory/throughput knob of veRL's FSDP workers; kfrl has no equivalent"
 _UNUSED_MODEL = "a model-loading option of veRL's workers that kfrl does not use"
 _FIXED_LR = "kfrl's optimizers are AdamW with a constant learning rate (no warm-up or schedule)"
-_BY_COUNT = ("kfrl micro-batches these passes by count (the *_micro_batch_size_per_gpu keys); only the actor update "
-             "takes a token budget (actor.use_dynamic_bsz)")
+_BY_COUNT = ("kfrl micro-batches this pass by count (the *_micro_batch_size_per_gpu keys); the actor update and "
+             "the log-prob passes take a token budget (actor.use_dynamic_bsz, rollout.log_prob_use_dynamic_bsz)")
 _STORE = "checkpoints live in the run's store (store.uri); resume with kfrl train --run-id"
 # Keys are exact veRL keys; a key ending in "." stands for a whole subtree of engine settings.
 # Only subtrees are wildcards, so a misspelt veRL key is still an error with a suggestion.
@@ -148,14 +150,12 @@ IGNORED: dict[str, str] = {
     f"{AR}.rollout.do_sample": "training rollouts always sample (validation: rollout.val_kwargs.do_sample)",
     f"{AR}.rollout.ignore_eos": "responses end at EOS",
     f"{AR}.rollout.calculate_log_probs": "kfrl always stores the rollout's log-probs",
-    f"{AR}.rollout.log_prob_use_dynamic_bsz": _BY_COUNT,
-    f"{AR}.rollout.log_prob_max_token_len_per_gpu": _BY_COUNT,
     f"{AR}.rollout.prompt_length": "set by data.max_prompt_length",
     f"{AR}.rollout.response_length": "set by data.max_response_length",
     f"{AR}.ref.log_prob_micro_batch_size_per_gpu": "kfrl uses rollout.log_prob_micro_batch_size_per_gpu for the reference too",
     f"{AR}.ref.log_prob_micro_batch_size": "kfrl uses rollout.log_prob_micro_batch_size_per_gpu for the reference too",
-    f"{AR}.ref.log_prob_use_dynamic_bsz": _BY_COUNT,
-    f"{AR}.ref.log_prob_max_token_len_per_gpu": _BY_COUNT,
+    f"{AR}.ref.log_prob_use_dynamic_bsz": "the reference pass follows rollout.log_prob_use_dynamic_bsz",
+    f"{AR}.ref.log_prob_max_token_len_per_gpu": "the reference pass follows rollout.log_prob_max_token_len_per_gpu",
     f"{AR}.ref.fsdp_config.": _MEMORY,
     f"{AR}.ref.ulysses_sequence_parallel_size": _PARALLEL,
     "critic.model.enable_gradient_checkpointing": _MEMORY,

@@ -102,18 +102,32 @@ def forward_response(model, batch: Trajectories, temperature: float, with_entrop
 
 @torch.no_grad()
 def compute_token_stats(model, trajectories: Trajectories, *, temperature: float, micro_batch_size: int,
-                        with_entropy: bool, with_sum_pi_squared: bool = False, autocast_dtype=None):
+                        with_entropy: bool, with_sum_pi_squared: bool = False, autocast_dtype=None,
+                        token_budget: int = 0):
     """(log-probs (B, L), entropies or None, sums over the vocabulary of the squared probabilities or
-    None) of the response tokens, micro-batched; positions past a response's length hold no meaning
-    (``Trajectories.unpad`` drops them)."""
+    None) of the response tokens, micro-batched (by ``micro_batch_size`` rows, or with ``token_budget``
+    > 0 by tokens, each micro-batch cut to its longest sequence: ``budget_micro_batches``); positions
+    past a response's length hold no meaning (``Trajectories.unpad`` drops them)."""
+    from kfrl.engines.minibatch import budget_micro_batches
+
     device = next(model.parameters()).device
     trajectories = trajectories.to(device)
-    parts = [forward_token_stats(model, trajectories.select(slice(start, start + micro_batch_size)), temperature,
-                                 with_entropy, autocast_dtype, with_sum_pi_squared)
-             for start in range(0, len(trajectories), micro_batch_size)]
-    return (torch.cat([p[0] for p in parts]),
-            torch.cat([p[1] for p in parts]) if with_entropy else None,
-            torch.cat([p[2] for p in parts]) if with_sum_pi_squared else None)
+    rows = len(trajectories)
+    if token_budget > 0:
+        batches = budget_micro_batches(torch.arange(rows), trajectories.attention_mask.sum(-1).cpu(), token_budget)
+    else:
+        batches = [torch.arange(start, min(start + micro_batch_size, rows)) for start in range(0, rows, micro_batch_size)]
+    width = trajectories.response_mask.shape[1]
+    wanted = (True, with_entropy, with_sum_pi_squared)
+    out = [torch.zeros(rows, width, device=device) if want else None for want in wanted]
+    for batch in batches:
+        part = trajectories.select(batch.to(device))
+        stats = forward_token_stats(model, part.trimmed() if token_budget > 0 else part, temperature,
+                                    with_entropy, autocast_dtype, with_sum_pi_squared)
+        for k, value in enumerate(stats):
+            if value is not None:
+                out[k][batch.to(device), :value.shape[1]] = value.float()
+    return tuple(out)
 
 
 def compute_logprobs(model, trajectories: Trajectories, *, temperature: float, micro_batch_size: int,

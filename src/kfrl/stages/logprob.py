@@ -27,7 +27,9 @@ def _logprobs(ctx: StageContext, table, weights_iteration: int, with_entropy: bo
     logprobs, entropy, sum_pi_squared = compute_token_stats(
         ctx.load_model(manifest), trajectories, temperature=ctx.config.rollout.temperature,
         micro_batch_size=ctx.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=with_entropy,
-        with_sum_pi_squared=with_sum_pi_squared, autocast_dtype=ctx.compute_dtype)
+        with_sum_pi_squared=with_sum_pi_squared, autocast_dtype=ctx.compute_dtype,
+        token_budget=ctx.config.rollout.log_prob_max_token_len_per_gpu if ctx.config.rollout.log_prob_use_dynamic_bsz
+        else 0)
     return (trajectories.unpad(logprobs), (trajectories.unpad(entropy) if with_entropy else None),
             (trajectories.unpad(sum_pi_squared) if with_sum_pi_squared else None))
 
