@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from kfrl.config import load_config
 from kfrl.models import hf_io
@@ -60,6 +62,12 @@ def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_
     assert run.is_committed("update_actor", 2) and seen.info["policy_version"] == 2
     manifest_file = Path(run.store.manifest_url("iter-000002/update_actor"))
     assert not manifest_file.exists()
+    # The files are written from a copy: the training copy may change meanwhile (the next update).
+    training = update._RESIDENT_TRAINERS["actor"][1]
+    name, weight = next(iter(training.state_dict().items()))
+    before = weight.detach().clone()
+    with torch.no_grad():
+        weight.add_(1.0)
     run.set_latest(2)
     assert run.latest() == 1  # LATEST waits for the commit
     for stage in STAGES[STAGES.index("update_actor") + 1:]:
@@ -69,6 +77,9 @@ def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_
     assert manifest_file.stat().st_mtime_ns <= rollout_file.stat().st_mtime_ns
     assert run.latest() == 2
     assert {"model.safetensors", "config.json", "MLmodel"} <= set(seen.names())  # files: after the wait
+    assert torch.equal(load_file(run.store.committed_dir(seen) / "model.safetensors")[name], before)
+    with torch.no_grad():
+        weight.sub_(1.0)
 
 
 def test_a_failed_background_write_commits_nothing_and_stops_the_next_commit(run, monkeypatch):

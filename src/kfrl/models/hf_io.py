@@ -1,6 +1,7 @@
 """Thin helpers to load and save Hugging Face model directories (local paths only)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -99,7 +100,7 @@ _SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
-WRITE_THREADS = 4
+WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # more writers than cores only slow the rest down
 WRITE_CHUNK = 64 * 2**20
 
 
@@ -110,10 +111,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: str | Path, *,
 
     The bytes go out with ``pwrite`` calls at each tensor's offset, from ``WRITE_THREADS`` threads,
     straight from the tensor's memory (copied to the host first when it is on an accelerator): no
-    serialised copy of the whole file is built, and the GIL is released while the kernel copies, so a writer on a background thread does not stall the stages
-    running beside it (``safetensors.torch.save_file`` holds it for most of a large write)."""
+    serialised copy of the whole file is built, and the tensors may be a host snapshot written on a
+    background thread while the model moves on."""
     import json
-    import os
     import struct
     from concurrent.futures import ThreadPoolExecutor
 
@@ -248,11 +248,12 @@ def config_files(model: PreTrainedModel, dtype: torch.dtype | None = None) -> di
 
 
 def host_weights(model: PreTrainedModel, dtype: torch.dtype | None = None,
-                 state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                 state: dict[str, torch.Tensor] | None = None, *, copy: bool = False) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of ``model`` (or of ``state``) holds, tied ones once, cast to ``dtype``,
-    in host memory (pinned when they come from an accelerator; see ``on_host``)."""
+    in host memory (pinned when they come from an accelerator; see ``on_host``). ``copy``: never the
+    model's own tensors, also on the CPU (for a write that outlives the call)."""
     tensors = unique_state(state if state is not None else model.state_dict())
-    if any(t.device.type != "cpu" for t in tensors.values()):
+    if copy or any(t.device.type != "cpu" for t in tensors.values()):
         tensors = on_host(tensors, dtype)
     return unique_state(tensors, dtype)
 

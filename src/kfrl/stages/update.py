@@ -205,10 +205,9 @@ _TIMING_SUFFIX = {"actor": "", "critic": "_critic"}
 def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str, float]:
     """Load (or reuse) the training copy, step it, commit the weights, hand them to this process's
     inference copies, and write the trainer state (in the background where the process lives on)."""
-    if ctx.config.trainer.n_gpus_per_node * ctx.config.trainer.nnodes > 1:
-        # Sharded over worker processes (kfrl.distributed): they commit; run_stage's commit finds theirs.
-        from kfrl.distributed import distributed_update
+    from kfrl.distributed import distributed_update, world_size
 
+    if world_size(ctx.config) > 1:  # sharded over worker processes: they commit; run_stage's commit finds theirs
         return distributed_update(ctx, role.name)
     model, optimizer, steps = trainer(ctx, role, optim_cfg, attempt)
     metrics, steps = TRAIN_STEP[role.name](ctx, table, model, optimizer, steps)
@@ -247,21 +246,35 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
 
 
 # --- writing the two kinds -----------------------------------------------------------------------
-def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False,
-                 state: dict | None = None) -> float:
-    """The weights commit's files: the HF directory in the inference dtype (of ``state`` when given, e.g.
-    gathered from shards), plus the tokenizer, and for the policy an ``MLmodel`` file (the folder is what
-    MLflow model versions point at). Returns the seconds spent writing them (the rest of the call is
-    hashing, or the upload to S3)."""
-    from kfrl.models.hf_io import save_hf
+def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = False, state: dict | None = None,
+                   copy_now: bool = False):
+    """(config files, ``write(folder)``): the weights commit's files, the HF directory in the inference
+    dtype (of ``state`` when given, e.g. gathered from shards) plus the tokenizer, and for the policy an
+    ``MLmodel`` file (the folder is what MLflow model versions point at). ``copy_now``: the weights are
+    copied to host memory now, so ``write`` may run after the model has moved on."""
+    from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
 
-    with attempt.staged_dir() as folder:
-        started = time.perf_counter()
-        save_hf(model, tokenizer, folder, dtype=ctx.compute_dtype, state=state)
+    dtype = ctx.compute_dtype
+    configs, weights = config_files(model, dtype), host_weights(model, dtype, state, copy=copy_now)
+
+    def write(folder) -> None:
+        write_hf_dir(folder, configs, weights, tokenizer)
         if mlflow_model:
             from kfrl.models.mlmodel import write_mlmodel
 
-            write_mlmodel(folder, tokenizer, ctx.compute_dtype)
+            write_mlmodel(folder, tokenizer, dtype)
+
+    return configs, write
+
+
+def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False,
+                 state: dict | None = None) -> float:
+    """Write the weights commit's files (``weights_writer``) into ``attempt``. Returns the seconds spent
+    writing them (the rest of the call is hashing, or the upload to S3)."""
+    _configs, write = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, state=state)
+    with attempt.staged_dir() as folder:
+        started = time.perf_counter()
+        write(folder)
         written = time.perf_counter() - started
     return written
 
@@ -271,20 +284,11 @@ def save_weights_later(ctx: StageContext, attempt, model, tokenizer, *, mlflow_m
     are copied to host memory now (so the training copy may move on), and the files and the stage's
     commit are written by a thread (``Attempt.write_in_background``). This process sees the commit at
     once; its next commit with files (the next rollout) waits for it, so what is durable stays in order."""
-    from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
+    from kfrl.models.hf_io import write_hf_dir
 
-    dtype = ctx.compute_dtype
-    configs, weights = config_files(model, dtype), host_weights(model, dtype)
+    configs, write = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, copy_now=True)
     # Config and tokenizer now, in a local folder: the next rollout reads them without waiting.
     early = write_hf_dir(_early_folder(attempt.attempt), configs, None, tokenizer)
-
-    def write(folder) -> None:
-        write_hf_dir(folder, configs, weights, tokenizer)
-        if mlflow_model:
-            from kfrl.models.mlmodel import write_mlmodel
-
-            write_mlmodel(folder, tokenizer, dtype)
-
     attempt.write_in_background(write, early_dir=early)
 
 
