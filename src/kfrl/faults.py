@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections import Counter
 
 ENV = "KFRL_KILL_AT"
 POINTS = ("startup", "mlflow_init", "upload", "commit", "registration", "latest", "trainer_state")
 _hits: Counter = Counter()
+# Commits also run on background threads (weights and trainer state): the count must not skip a hit.
+_LOCK = threading.Lock()
 
 
 def _wanted() -> dict[str, int]:
@@ -31,6 +34,8 @@ def failpoint(name: str) -> None:
     """SIGKILL this process here when ``KFRL_KILL_AT`` asks for it (see the module docstring)."""
     if ENV not in os.environ:
         return
-    _hits[name] += 1
-    if _wanted().get(name) == _hits[name]:
+    with _LOCK:
+        _hits[name] += 1
+        hit = _hits[name]
+    if _wanted().get(name) == hit:
         os.kill(os.getpid(), signal.SIGKILL)
