@@ -152,7 +152,7 @@ class Manifest:
 
 
 class InFlightManifest(Manifest):
-    """A commit this process is still writing on a background thread (``Attempt.commit_in_background``):
+    """A commit this process is still writing on a background thread (``Attempt.write_in_background``):
     its prefix, attempt, metrics and info are final and readable now; reading its ``files`` waits until
     they are written and committed (and raises if that failed)."""
 
@@ -792,14 +792,17 @@ class Attempt:
                 with self.staged_dir() as folder:
                     write(folder)
                 pending.manifest = self._publish(metrics, info)
-                for action in pending.then:
-                    action()
+                while True:  # actions queued by after_in_flight, until none is left as this commit leaves
+                    with _IN_FLIGHT_LOCK:
+                        actions, pending.then = pending.then, []
+                        if not actions:
+                            _IN_FLIGHT.pop(url, None)
+                            break
+                    for action in actions:
+                        action()
             except BaseException as err:  # noqa: BLE001 - kept, and raised to whoever waits on this commit
                 pending.error = err
             finally:
-                if pending.error is None:
-                    with _IN_FLIGHT_LOCK:
-                        _IN_FLIGHT.pop(url, None)
                 pending.done.set()
 
         self._in_flight = pending.visible
