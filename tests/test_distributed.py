@@ -157,14 +157,20 @@ def test_a_trainer_state_written_by_two_processes_resumes_in_one_process(ppo_run
     assert_same_checkpoints(resumed["one"], resumed["many"], "update_critic", "critic_state", iteration=2)
 
 
-def test_a_worker_killed_at_commit_fails_the_stage_naming_its_rank_and_commits_nothing(ppo_runs, tmp_path,
-                                                                                       monkeypatch):
-    _, many = ppo_runs
+def without_actor_update(many: Run, tmp_path: Path) -> tuple[str, Run, dict]:
+    """A copy of the two-process run with iteration 1's actor update (weights and state) uncommitted,
+    and the weights that update had committed."""
     uri = copy_run(many, tmp_path / "run")
     run = Run(Store(uri))
     expected = load_file(committed_files(many, "update_actor") / "model.safetensors")
     for prefix in ("iter-000001/update_actor", "iter-000001/actor_state"):
         run.store.remove_commit(prefix)
+    return uri, run, expected
+
+
+def test_a_worker_killed_at_commit_fails_the_stage_naming_its_rank_and_commits_nothing(ppo_runs, tmp_path,
+                                                                                       monkeypatch):
+    uri, run, expected = without_actor_update(ppo_runs[1], tmp_path)
     forget_process_state()
     monkeypatch.setenv("KFRL_KILL_AT", "commit@1")  # rank 0, the only one that commits, dies at its first
     with pytest.raises(DistributedUpdateError, match=r"distributed update_actor of iteration 1: rank 0 of 2 was "
@@ -241,12 +247,7 @@ def test_the_trainjob_command_under_torchrun_commits_what_the_launcher_commits(p
 
     from kfrl.distributed.multinode import trainjob_manifest
 
-    _, many = ppo_runs
-    uri = copy_run(many, tmp_path / "run")
-    run = Run(Store(uri))
-    expected = load_file(committed_files(many, "update_actor") / "model.safetensors")
-    for prefix in ("iter-000001/update_actor", "iter-000001/actor_state"):
-        run.store.remove_commit(prefix)
+    uri, run, expected = without_actor_update(ppo_runs[1], tmp_path)
     config = load_config(Path("configs/demo.yaml"), SMALL + PPO + ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"])
     command = trainjob_manifest(config, uri, 1, "actor", "kfrl-test")["spec"]["trainer"]["command"]
     assert command[:3] == ["torchrun", "-m", "kfrl.distributed.update_worker"]
