@@ -764,6 +764,9 @@ class Attempt:
         if self._in_flight is not None:
             return self._in_flight
         if self._background is not None:
+            # The kill point where the commit is asked for, on the stage's thread (as for a commit made
+            # there): its place among the process's commits does not depend on the writer thread.
+            failpoint("commit")
             return self._commit_in_background(metrics, info)
         if self._files:
             settle_in_flight()  # commits become durable in the order they were made
@@ -791,7 +794,7 @@ class Attempt:
                     before.wait()
                 with self.staged_dir() as folder:
                     write(folder)
-                pending.manifest = self._publish(metrics, info)
+                pending.manifest = self._publish(metrics, info, kill_point=False)
                 while True:  # actions queued by after_in_flight, until none is left as this commit leaves
                     with _IN_FLIGHT_LOCK:
                         actions, pending.then = pending.then, []
@@ -809,7 +812,7 @@ class Attempt:
         threading.Thread(target=run, name=f"kfrl-commit-{self.prefix}", daemon=True).start()
         return pending.visible
 
-    def _publish(self, metrics: dict | None, info: dict | None) -> Manifest:
+    def _publish(self, metrics: dict | None, info: dict | None, kill_point: bool = True) -> Manifest:
         store = self.store
         uri = store.manifest_url(self.prefix)
         mine = Manifest(
@@ -821,7 +824,8 @@ class Attempt:
             created_at=_now_iso(),
         )
         body = mine.to_json().encode("utf-8")
-        failpoint("commit")
+        if kill_point:
+            failpoint("commit")
         created = store._retrying("commit", uri, lambda: store._raw_write_if_absent(uri, body))
         if created:
             self._manifest = mine
