@@ -74,6 +74,18 @@ def profile_update(model, args) -> dict:
         seconds = _timed(fn)
         out[name] = {"s": seconds, "mfu": round(flops / seconds / 989e12, 3)}
         print(name, out[name], flush=True)
+    for micro in (args.micro * 2, args.micro * 4):
+        if micro > args.rows:
+            continue
+        bigger = cfg.actor.model_copy(update={"ppo_micro_batch_size_per_gpu": micro})
+        fn = step(on_policy, bigger)
+        fn()
+        seconds = _timed(fn)
+        out[f"on-policy, micro-batch {micro}"] = {"s": seconds, "mfu": round(flops / seconds / 989e12, 3)}
+        print(f"micro-batch {micro}", out[f"on-policy, micro-batch {micro}"], flush=True)
+    for micro in (args.micro, args.micro * 4):
+        out[f"GEMM ceiling, micro-batch {micro}"] = gemm_ceiling(model, micro * (args.prompt + args.response))
+        print(f"GEMM ceiling, micro-batch {micro}", out[f"GEMM ceiling, micro-batch {micro}"], flush=True)
     unfused = inference.fused_applies
     inference.fused_applies = lambda *args: False
     seconds = _timed(step(on_policy))
@@ -126,6 +138,31 @@ def profile_update(model, args) -> dict:
     print(table, flush=True)
     out["profile_top"] = table
     return out
+
+
+def gemm_ceiling(model, tokens: int) -> dict:
+    """The model's own matrix products at one micro-batch of ``tokens`` tokens (each linear layer's
+    forward, input-gradient and weight-gradient product, bf16, as many times as the model has them),
+    timed alone: the update's MFU cannot pass what these reach on this GPU, whatever else is fused."""
+    import torch
+
+    config = model.config
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * hidden // config.num_attention_heads
+    counts = {(hidden, hidden): 2 * layers, (hidden, kv): 2 * layers, (hidden, inter): 2 * layers,
+              (inter, hidden): layers, (hidden, config.vocab_size): 1}
+    device = next(model.parameters()).device
+    total_s, total_flops, out = 0.0, 0, {}
+    for (k, n), count in counts.items():
+        x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+        g = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
+        seconds = _timed(lambda: (x @ w, g @ w.T, x.T @ g), repeats=5)
+        total_s += seconds * count
+        total_flops += 6 * tokens * k * n * count
+        out[f"{k}x{n}"] = round(6 * tokens * k * n / seconds / 1e12, 1)
+    return {"tokens": tokens, "tflops_per_shape": out, "s_per_micro_batch": round(total_s, 4),
+            "mfu_ceiling": round(total_flops / total_s / 989e12, 3)}
 
 
 def compare_fused(model, batch) -> dict:

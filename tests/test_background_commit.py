@@ -51,6 +51,7 @@ def slow_weights(monkeypatch, seconds: float, started: threading.Event | None = 
 
 
 def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_commits_after_them(run, monkeypatch):
+    sets_before = hf_io.host_buffers("weights/actor").sets
     for stage in STAGES:
         run_stage(stage, run.uri, 1)
     run.set_latest(1)
@@ -80,6 +81,8 @@ def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_
     assert torch.equal(load_file(run.store.committed_dir(seen) / "model.safetensors")[name], before)
     with torch.no_grad():
         weight.sub_(1.0)
+    # Each update copied the weights into the host buffers the one before had used (and given back).
+    assert hf_io.host_buffers("weights/actor").sets - sets_before <= 1
 
 
 def test_a_failed_background_write_commits_nothing_and_stops_the_next_commit(run, monkeypatch):

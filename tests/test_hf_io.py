@@ -67,3 +67,48 @@ def test_tied_weights_are_written_once_and_load_back(tmp_path, tiny_model_dir):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_host_buffers_are_reused_and_a_set_being_written_is_never_handed_out():
+    from kfrl.models.hf_io import HostBuffers, on_host
+
+    pool = HostBuffers()
+    weight = torch.randn(3, 4)
+    state = {"embed": weight, "head": weight, "bias": torch.randn(5), "step": torch.tensor(7)}
+    first = pool.take()
+    out = on_host(state, torch.bfloat16, first)
+    assert torch.equal(out["embed"], weight.to(torch.bfloat16)) and out["head"] is out["embed"]
+    assert out["step"].dtype == torch.int64 and out["step"].item() == 7
+    assert len(first) == 3  # tied tensors once
+    assert pool.take() == [] and pool.sets == 2  # the first set is still being written: a new one
+    pool.give_back(first)
+    again = pool.take()
+    assert again is first
+    weight.add_(1.0)
+    second = on_host(state, torch.bfloat16, again)
+    assert second["embed"].data_ptr() == out["embed"].data_ptr()  # the same memory, new values
+    assert torch.equal(second["embed"], weight.to(torch.bfloat16))
+    resized = on_host({**state, "bias": torch.randn(6)}, torch.bfloat16, again)
+    assert resized["bias"].shape == (6,) and again[1].shape == (6,)  # a tensor that changed shape is replaced
+
+
+def test_tokenizer_files_linked_from_one_copy_equal_the_written_ones(tmp_path, tiny_model_dir):
+    import os
+
+    from kfrl.models.hf_io import load_tokenizer, save_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    save_tokenizer(tokenizer, tmp_path / "written")
+    for k in (1, 2):
+        save_tokenizer(tokenizer, tmp_path / f"linked{k}", link_from=tmp_path / "shared")
+    written = {p.relative_to(tmp_path / "written"): p.read_bytes() for p in (tmp_path / "written").rglob("*") if p.is_file()}
+    assert written
+    for k in (1, 2):
+        folder = tmp_path / f"linked{k}"
+        assert {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == written
+        assert all(os.stat(folder / name).st_nlink == 3 for name in written)  # one copy, two links to it
+    save_tokenizer(tokenizer, tmp_path / "linked1")  # writing a folder again never writes through a link
+    assert all(os.stat(tmp_path / "linked2" / name).st_nlink == 2 for name in written)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "linked2").encode("1+2=") == tokenizer.encode("1+2=")

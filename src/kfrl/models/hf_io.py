@@ -176,27 +176,74 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: str | Path, *,
     return [folder / n for n in names]
 
 
-def on_host(tensors: dict, dtype: torch.dtype | None = None) -> dict:
+class HostBuffers:
+    """Host tensors kept for a snapshot that repeats (the weights after every update, the trainer state
+    every k-th): each snapshot copies into the tensors the one before it used, so none allocates (or
+    page-locks) host memory once the first has. A snapshot still being written holds its set; the next
+    takes another (``take``/``give_back``), so a slow write never has its memory changed under it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._free: list[list[torch.Tensor]] = []
+        self.sets = 0  # sets allocated so far (two in steady state: one being written, one being filled)
+
+    def take(self) -> list[torch.Tensor]:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.sets += 1
+            return []
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._free.append(buffers)
+
+
+_HOST_BUFFERS: dict[str, HostBuffers] = {}
+
+
+def host_buffers(name: str) -> HostBuffers:
+    """This process's ``HostBuffers`` for the snapshots called ``name`` (e.g. ``weights/actor``)."""
+    return _HOST_BUFFERS.setdefault(name, HostBuffers())
+
+
+def on_host(tensors: dict, dtype: torch.dtype | None = None, buffers: list[torch.Tensor] | None = None) -> dict:
     """``tensors`` (a nested dict/list of tensors, as a state dict or an optimizer state) copied to host
     memory, floating tensors cast to ``dtype`` when given. From an accelerator the copies go into pinned
-    memory, all queued before one synchronisation: PyTorch's host allocator hands the same pinned blocks
-    back on the next call, so a checkpoint every iteration neither faults in fresh pages nor waits per
-    tensor. Tied tensors stay one tensor. On the CPU the result is a copy too (the caller may keep it
-    while the originals change)."""
+    memory, all queued before one synchronisation. ``buffers`` (a set from ``HostBuffers.take``): the
+    k-th tensor copied goes into its k-th tensor when shape and dtype match, and new tensors are kept
+    there for the next snapshot. Tied tensors stay one tensor. On the CPU the result is a copy too (the
+    caller may keep it while the originals change)."""
     memo: dict[tuple, torch.Tensor] = {}
     streams = set()
+    copied = [0]
+
+    def host_tensor(value: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+        index = copied[0]
+        copied[0] += 1
+        if buffers is not None and index < len(buffers):
+            held = buffers[index]
+            if held.shape == value.shape and held.dtype == target:
+                return held
+        host = torch.empty(value.shape, dtype=target, pin_memory=value.device.type != "cpu")
+        if buffers is not None:
+            buffers[index:index + 1] = [host]
+        return host
 
     def copy(value):
         if isinstance(value, torch.Tensor):
             key = tensor_identity(value)
             if key not in memo:
                 target = dtype if dtype is not None and value.is_floating_point() else value.dtype
-                if value.device.type == "cpu":
+                if value.device.type == "cpu" and buffers is None:
                     memo[key] = value.detach().to(target, copy=True)
                 else:
-                    host = torch.empty(value.shape, dtype=target, pin_memory=True)
-                    host.copy_(value.detach(), non_blocking=True)
-                    streams.add(value.device)
+                    host = host_tensor(value, target)
+                    host.copy_(value.detach(), non_blocking=value.device.type != "cpu")
+                    if value.device.type != "cpu":
+                        streams.add(value.device)
                     memo[key] = host
             return memo[key]
         if isinstance(value, dict):
@@ -248,21 +295,22 @@ def config_files(model: PreTrainedModel, dtype: torch.dtype | None = None) -> di
 
 
 def host_weights(model: PreTrainedModel, dtype: torch.dtype | None = None,
-                 state: dict[str, torch.Tensor] | None = None, *, copy: bool = False) -> dict[str, torch.Tensor]:
+                 state: dict[str, torch.Tensor] | None = None, *, copy: bool = False,
+                 buffers: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of ``model`` (or of ``state``) holds, tied ones once, cast to ``dtype``,
-    in host memory (pinned when they come from an accelerator; see ``on_host``). ``copy``: never the
-    model's own tensors, also on the CPU (for a write that outlives the call)."""
+    in host memory (pinned when they come from an accelerator; see ``on_host``, also for ``buffers``).
+    ``copy``: never the model's own tensors, also on the CPU (for a write that outlives the call)."""
     tensors = unique_state(state if state is not None else model.state_dict())
-    if copy or any(t.device.type != "cpu" for t in tensors.values()):
-        tensors = on_host(tensors, dtype)
+    if copy or buffers is not None or any(t.device.type != "cpu" for t in tensors.values()):
+        tensors = on_host(tensors, dtype, buffers)
     return unique_state(tensors, dtype)
 
 
 def write_hf_dir(out_dir: str | Path, configs: dict[str, bytes], weights: dict[str, torch.Tensor] | None,
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+                 tokenizer: PreTrainedTokenizerBase | None = None, *, link_tokenizer_from: Path | None = None) -> Path:
     """An HF model directory from ``config_files`` and ``host_weights`` (None: no weights file): what
     ``save_hf`` writes, split so that the files can be written on another thread from a snapshot while
-    the model moves on."""
+    the model moves on. ``link_tokenizer_from``: see ``save_tokenizer``'s ``link_from``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, data in configs.items():
@@ -270,7 +318,7 @@ def write_hf_dir(out_dir: str | Path, configs: dict[str, bytes], weights: dict[s
     if weights is not None:
         write_safetensors(weights, out_dir)
     if tokenizer is not None:
-        save_tokenizer(tokenizer, out_dir)
+        save_tokenizer(tokenizer, out_dir, link_from=link_tokenizer_from)
     return out_dir
 
 
@@ -284,11 +332,15 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, o
 
 # Saved tokenizer files per tokenizer object: every weights commit carries the tokenizer (twice, with
 # the MLmodel component) and serialising a 150k-entry vocabulary costs ~50 ms a time.
-_TOKENIZER_FILES: dict[int, tuple[object, dict[str, bytes]]] = {}
+_TOKENIZER_FILES: dict[int, tuple[object, dict[str, bytes], str]] = {}
 
 
-def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
-    """``tokenizer.save_pretrained(out_dir)``, serialised once per tokenizer object and copied after."""
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path, *, link_from: Path | None = None) -> None:
+    """``tokenizer.save_pretrained(out_dir)``, serialised once per tokenizer object and copied after.
+    ``link_from``: a folder on ``out_dir``'s file system where the files are written once (under a
+    digest of their content) and hard-linked from: no data is written again, which matters beside a
+    multi-GB write that has the kernel throttle every writer (the files are ~10 MB for a 150k vocabulary)."""
+    import hashlib
     import tempfile
 
     out_dir = Path(out_dir)
@@ -299,11 +351,29 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> N
             # so that older transformers releases, as used by some inference images, find it too.
             tokenizer.save_pretrained(tmp, save_jinja_files=False)
             files = {p.relative_to(tmp).as_posix(): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
+        digest = hashlib.sha256()
+        for name in sorted(files):
+            digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
         _TOKENIZER_FILES.clear()  # one tokenizer per run: no growth across runs in one process
-        held = _TOKENIZER_FILES[id(tokenizer)] = (tokenizer, files)
-    for name, data in held[1].items():
-        (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
-        (out_dir / name).write_bytes(data)
+        held = _TOKENIZER_FILES[id(tokenizer)] = (tokenizer, files, digest.hexdigest()[:16])
+    _, files, digest = held
+    source = Path(link_from) / digest if link_from is not None else None
+    for name, data in files.items():
+        target = out_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)  # never write through a hard link into the shared copy
+        if source is not None:
+            try:
+                if not (source / name).is_file():
+                    (source / name).parent.mkdir(parents=True, exist_ok=True)
+                    staged = (source / name).with_name(f".{target.name}.{os.getpid()}.tmp")
+                    staged.write_bytes(data)
+                    os.replace(staged, source / name)  # whole or absent, for a concurrent reader
+                os.link(source / name, target)
+                continue
+            except OSError:  # another file system, or no hard links there: write the bytes
+                pass
+        target.write_bytes(data)
 
 
 def load_value_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",

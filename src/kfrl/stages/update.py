@@ -215,7 +215,9 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
     started = time.perf_counter()
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
     if _BACKGROUND["enabled"]:  # a host snapshot now; the files and the commit on a thread
-        save_weights_later(ctx, attempt, model, tokenizer, mlflow_model=role.name == "actor")
+        parts = save_weights_later(ctx, attempt, model, tokenizer, mlflow_model=role.name == "actor",
+                                   role_name=role.name)
+        metrics.update({f"timing_s/save_checkpoint_{part}{suffix}": seconds for part, seconds in parts.items()})
     else:
         metrics[f"timing_s/save_checkpoint_files{suffix}"] = save_weights(ctx, attempt, model, tokenizer,
                                                                           mlflow_model=role.name == "actor")
@@ -247,18 +249,25 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
 
 # --- writing the two kinds -----------------------------------------------------------------------
 def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = False, state: dict | None = None,
-                   copy_now: bool = False):
+                   copy_now: bool = False, buffers_name: str | None = None):
     """(config files, ``write(folder)``): the weights commit's files, the HF directory in the inference
     dtype (of ``state`` when given, e.g. gathered from shards) plus the tokenizer, and for the policy an
     ``MLmodel`` file (the folder is what MLflow model versions point at). ``copy_now``: the weights are
-    copied to host memory now, so ``write`` may run after the model has moved on."""
-    from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
+    copied to host memory now, so ``write`` may run after the model has moved on; with ``buffers_name``
+    into that ``HostBuffers`` pool's tensors, which ``write`` gives back once the files are written."""
+    from kfrl.models.hf_io import config_files, host_buffers, host_weights, write_hf_dir
 
     dtype = ctx.compute_dtype
-    configs, weights = config_files(model, dtype), host_weights(model, dtype, state, copy=copy_now)
+    pool = host_buffers(buffers_name) if buffers_name else None
+    buffers = pool.take() if pool is not None else None
+    configs, weights = config_files(model, dtype), host_weights(model, dtype, state, copy=copy_now, buffers=buffers)
 
     def write(folder) -> None:
-        write_hf_dir(folder, configs, weights, tokenizer)
+        try:
+            write_hf_dir(folder, configs, weights, tokenizer)
+        finally:
+            if pool is not None:
+                pool.give_back(buffers)
         if mlflow_model:
             from kfrl.models.mlmodel import write_mlmodel
 
@@ -279,17 +288,25 @@ def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: 
     return written
 
 
-def save_weights_later(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False) -> None:
+def save_weights_later(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False,
+                       role_name: str = "actor") -> dict[str, float]:
     """``save_weights`` for a process that lives on (the resident engine, the inline runner): the weights
-    are copied to host memory now (so the training copy may move on), and the files and the stage's
-    commit are written by a thread (``Attempt.write_in_background``). This process sees the commit at
-    once; its next commit with files (the next rollout) waits for it, so what is durable stays in order."""
+    are copied to host memory now (so the training copy may move on; into this process's reused host
+    buffers), and the files and the stage's commit are written by a thread
+    (``Attempt.write_in_background``). This process sees the commit at once; its next commit with files
+    (the next rollout) waits for it, so what is durable stays in order. Returns the seconds of its two
+    parts on the critical path: the host copy and the early files."""
     from kfrl.models.hf_io import write_hf_dir
 
-    configs, write = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, copy_now=True)
+    started = time.perf_counter()
+    configs, write = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, copy_now=True,
+                                    buffers_name=f"weights/{role_name}")
+    copied = time.perf_counter()
     # Config and tokenizer now, in a local folder: the next rollout reads them without waiting.
-    early = write_hf_dir(_early_folder(attempt.attempt), configs, None, tokenizer)
+    folder = _early_folder(attempt.attempt)
+    early = write_hf_dir(folder, configs, None, tokenizer, link_tokenizer_from=folder.parent.with_name("tokenizers"))
     attempt.write_in_background(write, early_dir=early)
+    return {"host_copy": copied - started, "early_files": time.perf_counter() - copied}
 
 
 def _early_folder(attempt_id: str) -> Path:
@@ -306,13 +323,13 @@ def _early_folder(attempt_id: str) -> Path:
     return root / attempt_id
 
 
-def snapshot(model, optimizer) -> tuple[dict, dict]:
-    """(model state, optimizer state) copied off the accelerator (into reused pinned host memory): what a
-    trainer-state write needs, so the training copy may change while the files are written. Tied
-    tensors stay one tensor."""
+def snapshot(model, optimizer, buffers: list | None = None) -> tuple[dict, dict]:
+    """(model state, optimizer state) copied off the accelerator (into ``buffers``, a ``HostBuffers``
+    set, when given): what a trainer-state write needs, so the training copy may change while the files
+    are written. Tied tensors stay one tensor."""
     from kfrl.models.hf_io import on_host
 
-    return on_host((model.state_dict(), optimizer.state_dict()))
+    return on_host((model.state_dict(), optimizer.state_dict()), buffers=buffers)
 
 
 def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, optimizer, steps: int,
@@ -391,7 +408,11 @@ class _StateWrite:
 
         import torch
 
+        from kfrl.models.hf_io import host_buffers
+
         ctx, role, weights_attempt, model, optimizer, steps = self.args
+        pool = host_buffers(f"trainer_state/{role.name}")
+        buffers = pool.take()
         try:
             if self.previous is not None:
                 self.previous.thread.join()
@@ -401,7 +422,7 @@ class _StateWrite:
                 stream = _copy_stream()
                 stream.wait_event(self.ready)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                states = snapshot(model, optimizer)
+                states = snapshot(model, optimizer, buffers)
                 if stream is not None:
                     stream.synchronize()
             self.snapshotted.set()
@@ -409,6 +430,7 @@ class _StateWrite:
         except BaseException as err:  # noqa: BLE001 - reported by wait/drain; a resume rebuilds the state
             self.error = err
         finally:
+            pool.give_back(buffers)
             self.snapshotted.set()
 
     def wait_for_snapshot(self) -> None:
