@@ -81,6 +81,24 @@ def write_gsm8k_shaped(out: Path, rows: int = 256) -> dict[str, Path]:
     return paths
 
 
+def write_long_prompts(out: Path, prompt_tokens: int, rows: int = 512) -> Path:
+    """The arithmetic task's rows with filler words in front of each question, longer than
+    ``prompt_tokens``: with ``data.truncation=left`` every prompt is exactly that long (the question
+    and the chat template's end kept), as in a workload with fixed-length prompts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kfrl.data.synthetic import make_arith_rows
+
+    filler = " ".join(f"w{1000 + k}" for k in range(prompt_tokens))  # in the bench tokenizer, a token each
+    table = make_arith_rows(rows, 0, "train")
+    for row in table:
+        row["prompt"][0]["content"] = filler + " " + row["prompt"][0]["content"]
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(table), out / "train.parquet")
+    return out / "train.parquet"
+
+
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA's H200 SXM figure without sparsity
 
 
@@ -117,6 +135,10 @@ def main() -> None:
     parser.add_argument("--response-length", type=int, default=256)
     parser.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic")
     parser.add_argument("--workload", choices=["full", "trl"], default="full")
+    parser.add_argument("--cudnn-attention", action="store_true",
+                        help="let SDPA use cuDNN's attention in the update (kfrl leaves it out by default)")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="every prompt exactly this many tokens (filler words before the question); 0: the task's own")
     parser.add_argument("--per-task", action="store_true",
                         help="forget loaded models and the training copy after every stage (each stage loads from the store)")
     parser.add_argument("--config", type=Path, default=None, help="a ready config to run instead of the issue shape")
@@ -132,6 +154,10 @@ def main() -> None:
     from kfrl.store import Store
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
+    if args.cudnn_attention:
+        from kfrl.engines import inference
+
+        inference.AVOID_CUDNN_ATTENTION = False
     work = Path(tempfile.mkdtemp(prefix="kfrl-bench-"))
     t0 = time.perf_counter()
     model_dir = build_model_dir(work / "model")
@@ -151,7 +177,10 @@ def main() -> None:
               [f"actor.ppo_mini_batch_size={args.prompts}", "actor.ppo_micro_batch_size_per_gpu=32",
                "actor.use_kl_loss=false"]),
             "rollout.log_prob_micro_batch_size_per_gpu=64", "actor.lr=1e-6",
-            f"trainer.total_iterations={args.iterations}", f"rollout.hf_cache={args.hf_cache}", *args.overrides,
+            f"trainer.total_iterations={args.iterations}", f"rollout.hf_cache={args.hf_cache}",
+            *([f"data.train_files={write_long_prompts(work / 'data', args.prompt_tokens)}",
+               f"data.max_prompt_length={args.prompt_tokens}", "data.truncation=left"] if args.prompt_tokens else []),
+            *args.overrides,
         ]
     cfg = load_config(args.config, overrides)
     run = Store(str(work / "store" / "bench"))
@@ -162,7 +191,7 @@ def main() -> None:
     update.write_states_in_background(not args.per_task)
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": "Qwen2.5-0.5B shape, random init",
                "config": str(args.config) if args.config else None, "workload": args.workload,
-               "mode": "per_task" if args.per_task else "resident",
+               "mode": "per_task" if args.per_task else "resident", "cudnn_attention": args.cudnn_attention,
                "params": None, "build_model_s": build_s, "prepare_s": prepare_s, "overrides": overrides, "iterations": []}
     for iteration in range(1, args.iterations + 1):
         stages = {}

@@ -81,3 +81,37 @@ def test_kernels_match_their_references():
         env["TRITON_INTERPRET"] = "1"
     done = subprocess.run([sys.executable, "-c", KERNEL_CHECKS], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "kernels ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_update_and_log_prob_passes_leave_cudnn_attention_out_on_cuda(monkeypatch):
+    """cuDNN's attention builds a plan per new shape (1-2 s each on an H200, bench/sdpa_first_call.py),
+    and the update's micro-batches keep changing shape: the passes run with it switched off."""
+    import contextlib
+
+    from kfrl.engines import inference
+
+    flags = torch.backends.cuda
+    before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())
+    with inference.attention_kernels("cuda"):
+        assert not flags.cudnn_sdp_enabled()
+        assert flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled() and flags.math_sdp_enabled()
+    assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+    monkeypatch.setattr(inference, "AVOID_CUDNN_ATTENTION", False)
+    with inference.attention_kernels("cuda"):
+        assert flags.cudnn_sdp_enabled() == before[0]
+
+    from kfrl.models.hf_io import load_causal_lm
+    from kfrl.models.tiny import materialize_builtin
+    from kfrl.trajectory import Trajectories
+
+    seen = []
+
+    def recorded(device_type):
+        seen.append(device_type)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(inference, "attention_kernels", recorded)
+    model = load_causal_lm(materialize_builtin("builtin:tiny-qwen2-arith"))
+    batch = Trajectories.from_lists([[5, 6, 7]], [[8, 9]], pad_id=0)
+    inference.forward_token_stats(model, batch, 1.0, with_entropy=True)
+    assert seen == ["cpu"]

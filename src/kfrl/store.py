@@ -210,6 +210,13 @@ def settle_in_flight() -> None:
         pending.wait()
 
 
+def wait_for_in_flight() -> None:
+    """Wait until every background commit of this process so far has ended, raising nothing (a failure
+    stays for the next commit to raise): for a writer whose own files must come after them."""
+    for pending in list(_IN_FLIGHT.values()):
+        pending.done.wait()
+
+
 def after_in_flight(action: Callable[[], None]) -> None:
     """Run ``action`` now, or right after the newest background commit (on its thread, only if every
     commit before it succeeded): e.g. moving LATEST past an iteration whose weights are still written."""

@@ -61,6 +61,23 @@ def fused_applies(hidden: torch.Tensor, head, autocast_dtype, with_sum_pi_square
             and getattr(head, "bias", None) is None and not with_sum_pi_squared)
 
 
+# cuDNN's attention builds an execution plan for every new shape it meets; the update's micro-batches
+# (cut to their longest sequence, masked when a row is padded) keep meeting new ones.
+AVOID_CUDNN_ATTENTION = True
+
+
+def attention_kernels(device_type: str):
+    """The SDPA backends a log-prob or update pass may use: on CUDA all but cuDNN's attention when
+    ``AVOID_CUDNN_ATTENTION`` (flash for causal passes, memory-efficient where a mask is needed)."""
+    import contextlib
+
+    if device_type != "cuda" or not AVOID_CUDNN_ATTENTION:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def forward_token_stats(model, batch: Trajectories, temperature: float, with_entropy: bool,
                         autocast_dtype: torch.dtype | None = None, with_sum_pi_squared: bool = False):
     """(log_probs (B, L), entropy (B, L) or None, sum_pi_squared (B, L) or None); differentiable when
@@ -68,7 +85,7 @@ def forward_token_stats(model, batch: Trajectories, temperature: float, with_ent
     positions (``LOGIT_CHUNK_ELEMENTS``), so the full (B, L, V) fp32 logits never exist."""
     from torch.utils.checkpoint import checkpoint
 
-    with autocast(batch.input_ids.device.type, autocast_dtype):
+    with autocast(batch.input_ids.device.type, autocast_dtype), attention_kernels(batch.input_ids.device.type):
         hidden = response_hidden(model, batch)
     head = model.get_output_embeddings()
     rows, length, width = hidden.shape

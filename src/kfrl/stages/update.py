@@ -339,8 +339,13 @@ def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, opt
     import torch
 
     from kfrl.models.hf_io import save_hf
+    from kfrl.store import wait_for_in_flight
 
     model_state, optimizer_state = states or (model.state_dict(), optimizer.state_dict())
+    # A trainer state is worth nothing without the weights commit it continues (written on its own
+    # thread): a kill during this write then always finds that commit durable, and a resume rebuilds
+    # the state from it rather than redoing the update as well.
+    wait_for_in_flight()
     state = ctx.store.open_attempt(stage_prefix(ctx.iteration, role.state))
     with state.staged_dir() as folder:
         save_hf(model, None, folder, state=model_state)
