@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--per-task", action="store_true",
                         help="forget loaded models and the training copy after every stage (each stage loads from the store)")
     parser.add_argument("--config", type=Path, default=None, help="a ready config to run instead of the issue shape")
-    parser.add_argument("--profile-stage", default="", help="a stage to run under cProfile (top functions go in the JSON)")
+    parser.add_argument("--profile-stage", default="",
+                        help="stages (comma-separated) to run under cProfile at iteration 3 (top functions go in the JSON)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. algorithm.adv_estimator=gae")
     args = parser.parse_args()
 
@@ -200,7 +201,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            if stage == args.profile_stage and iteration > 1:
+            if stage in args.profile_stage.split(",") and iteration == min(3, args.iterations):
                 import cProfile
                 import io
                 import pstats
@@ -208,8 +209,9 @@ def main() -> None:
                 profiler = cProfile.Profile()
                 result = profiler.runcall(run_stage, stage, run.uri, iteration)
                 text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(20)
-                results.setdefault("profiles", {})[f"{stage}@{iteration}"] = text.getvalue()[-6000:]
+                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+                results.setdefault("profiles", {})[f"{stage}@{iteration}"] = text.getvalue()[-16000:]
             else:
                 result = run_stage(stage, run.uri, iteration)
             if args.per_task:

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from kfrl.config import load_config
 from kfrl.controller import train
-from kfrl.data.dataset import DatasetError, tokenize_prompt
+from kfrl.data.dataset import DatasetError, tokenize_prompt, tokenize_prompts
 from kfrl.run import Run, stage_prefix
 from kfrl.stages import run_stage
 from kfrl.stages.context import StageContext
@@ -84,6 +84,23 @@ def test_prompt_truncation_modes(tiny_dir):
     assert tokenize_prompt(tokenizer, messages, 20, "row 0", "right") == full[:20]
     with pytest.raises(DatasetError, match="row 0: prompt is .* tokens, over data.max_prompt_length=20"):
         tokenize_prompt(tokenizer, messages, 20, "row 0")
+
+
+def test_prompts_tokenized_in_one_batch_equal_one_at_a_time(tiny_dir):
+    from kfrl.data.synthetic import make_arith_rows
+    from kfrl.models.hf_io import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_dir)
+    conversations = [row["prompt"] for row in make_arith_rows(16, 0, "train")]
+    conversations += [[{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 1 + 2? " * k}]
+                      for k in (1, 5)]
+    where = [f"row {i}" for i in range(len(conversations))]
+    for length, truncation in ((10_000, "error"), (12, "left"), (12, "right")):
+        assert tokenize_prompts(tokenizer, conversations, length, where, truncation) == [
+            tokenize_prompt(tokenizer, m, length, w, truncation) for m, w in zip(conversations, where)]
+    with pytest.raises(DatasetError, match="row 17: prompt is .* tokens, over data.max_prompt_length=40"):
+        tokenize_prompts(tokenizer, conversations, 40, where)
+    assert tokenize_prompts(tokenizer, [], 40, []) == []
 
 
 def test_filter_overlong_prompts_drops_rows_when_the_run_is_prepared(tmp_path):

@@ -67,7 +67,21 @@ def tokenize_prompt(tokenizer, messages: list[dict], max_length: int, source: st
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
-    ids = list(ids)
+    return _truncated(list(ids), max_length, source, truncation)
+
+
+def tokenize_prompts(tokenizer, conversations: list[list[dict]], max_length: int, sources: list[str],
+                     truncation: str = "error") -> list[list[int]]:
+    """``tokenize_prompt`` of each conversation, the chat template rendered per conversation and the
+    texts encoded in one batch (one call into the tokenizer's backend instead of one per prompt)."""
+    if not conversations:
+        return []
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in conversations]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [_truncated(list(ids), max_length, source, truncation) for ids, source in zip(encoded, sources)]
+
+
+def _truncated(ids: list[int], max_length: int, source: str, truncation: str) -> list[int]:
     if len(ids) <= max_length:
         return ids
     if truncation == "left":

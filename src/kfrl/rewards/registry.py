@@ -41,6 +41,19 @@ _SCORERS: dict[str, Scorer] = {}
 
 def _accepts(fn: Scorer, parameter: str) -> bool:
     try:
+        return _accepts_cached(fn, parameter)
+    except TypeError:  # an unhashable callable object: inspect it every time
+        return _inspect_accepts(fn, parameter)
+
+
+@functools.lru_cache(maxsize=256)
+def _accepts_cached(fn: Scorer, parameter: str) -> bool:
+    # Scoring calls this for every response (two signature inspections each: ~0.1 ms).
+    return _inspect_accepts(fn, parameter)
+
+
+def _inspect_accepts(fn: Scorer, parameter: str) -> bool:
+    try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # some builtins have no signature; call them plainly
         return False

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kfrl.data.dataset import ground_truth_of, iteration_rows, prompt_messages, tokenize_prompt
+from kfrl.data.dataset import ground_truth_of, iteration_rows, prompt_messages, tokenize_prompts
 from kfrl.distributed.replicas import rollout_engine
 from kfrl.stages.context import StageContext
 
@@ -93,9 +93,9 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
         epoch, rows = iteration_rows(table.num_rows, batch_size, data_batch, seed=cfg.data.seed,
                                      shuffle=cfg.data.shuffle)
         records = table.take(rows).to_pylist()
-        prompts = [tokenize_prompt(tokenizer, prompt_messages(r, cfg.data.prompt_key, f"{source} row {int(i)}"),
-                                   cfg.data.max_prompt_length, f"{source} row {int(i)}", cfg.data.truncation)
-                   for r, i in zip(records, rows)]
+        where = [f"{source} row {int(i)}" for i in rows]
+        prompts = tokenize_prompts(tokenizer, [prompt_messages(r, cfg.data.prompt_key, w) for r, w in zip(records, where)],
+                                   cfg.data.max_prompt_length, where, cfg.data.truncation)
         started = time.perf_counter()
         generations = engine.generate_responses(prompts, params, seed=ctx.seed("rollout", stream=k))
         generate_seconds.append(time.perf_counter() - started)

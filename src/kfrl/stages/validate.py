@@ -36,7 +36,7 @@ def validation_metrics(data_sources: list[str], scores: list[float], accs: list[
 
 
 def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]:
-    from kfrl.data.dataset import ground_truth_of, prompt_messages, tokenize_prompt
+    from kfrl.data.dataset import ground_truth_of, prompt_messages, tokenize_prompts
     from kfrl.engines.rollout import SamplingParams
     from kfrl.stages.rollout import read_dataset
 
@@ -48,9 +48,9 @@ def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]
     records = read_dataset(ctx.store, val).to_pylist()
     policy = ctx.policy_manifest(ctx.iteration)
     tokenizer = ctx.load_tokenizer(policy)
-    messages = [prompt_messages(r, cfg.data.prompt_key, f"{source} row {i}") for i, r in enumerate(records)]
-    prompts = [tokenize_prompt(tokenizer, m, cfg.data.max_prompt_length, f"{source} row {i}", cfg.data.truncation)
-               for i, m in enumerate(messages)]
+    where = [f"{source} row {i}" for i in range(len(records))]
+    messages = [prompt_messages(r, cfg.data.prompt_key, w) for r, w in zip(records, where)]
+    prompts = tokenize_prompts(tokenizer, messages, cfg.data.max_prompt_length, where, cfg.data.truncation)
     kw = cfg.rollout.val_kwargs
     greedy = not kw.do_sample or kw.temperature == 0
     params = SamplingParams(n=kw.n, temperature=kw.temperature if not greedy else 1.0, top_p=kw.top_p,
