@@ -115,3 +115,8 @@ def test_update_and_log_prob_passes_leave_cudnn_attention_out_on_cuda(monkeypatc
     batch = Trajectories.from_lists([[5, 6, 7]], [[8, 9]], pad_id=0)
     inference.forward_token_stats(model, batch, 1.0, with_entropy=True)
     assert seen == ["cpu"]
+    from kfrl.engines.critic import forward_values
+    from kfrl.models.hf_io import load_value_model
+
+    forward_values(load_value_model(materialize_builtin("builtin:tiny-qwen2-arith")), batch)
+    assert seen == ["cpu", "cpu"]

@@ -10,14 +10,15 @@ from collections import defaultdict
 
 import torch
 
-from kfrl.engines import autocast
+from kfrl.engines import autocast, inference
 from kfrl.engines.minibatch import mean_metrics, optimize
 from kfrl.trajectory import Trajectories
 
 
 def forward_values(model, batch: Trajectories, autocast_dtype=None) -> torch.Tensor:
     """(B, L) values at response positions; differentiable when grad is enabled."""
-    with autocast(batch.input_ids.device.type, autocast_dtype):
+    device_type = batch.input_ids.device.type
+    with autocast(device_type, autocast_dtype), inference.attention_kernels(device_type):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     per_position = logits.float().squeeze(-1)  # (B, T)
     return torch.gather(per_position, 1, batch.gather_positions)
