@@ -104,20 +104,3 @@ def test_a_failed_background_write_commits_nothing_and_stops_the_next_commit(run
     assert not run_stage("update_actor", run.uri, 2).cached
     update.drain()
     assert Path(run.store.manifest_url("iter-000002/update_actor")).exists()
-
-
-def test_the_first_update_fills_the_trainer_state_buffers_that_the_state_writes_then_reuse(run, monkeypatch):
-    # On an accelerator the buffers are pinned: allocating them holds up the process's CUDA calls, so it
-    # happens at an update that writes no state rather than beside a later iteration.
-    monkeypatch.setattr(hf_io, "_HOST_BUFFERS", {})
-    monkeypatch.setattr(update, "pins_host_memory", lambda model: True)
-    pool = lambda: hf_io.host_buffers("trainer_state/actor")  # noqa: E731
-    for stage in STAGES:
-        run_stage(stage, run.uri, 1)
-    assert pool().sets == 1 and not run.is_committed("actor_state", 1)
-    for iteration in (2, 3):  # the state is written after 3, the last iteration (trainer_state_freq 5)
-        for stage in STAGES:
-            run_stage(stage, run.uri, iteration)
-    update.drain()
-    assert run.is_committed("actor_state", 3)
-    assert pool().sets == 1  # the state write took the set filled at iteration 1

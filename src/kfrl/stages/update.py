@@ -235,33 +235,8 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
     elif state_due(ctx.config.trainer, ctx.iteration):
         _PENDING[role.name] = _StateWrite(ctx, role, attempt.attempt, model, optimizer, steps,
                                           previous=_PENDING.get(role.name)).start()
-    elif pins_host_memory(model):
-        warm_state_buffers(role, model, optimizer)
     metrics[f"timing_s/save_trainer_state{suffix}"] = time.perf_counter() - started
     return metrics
-
-
-def pins_host_memory(model) -> bool:
-    """Whether snapshots of ``model`` go to pinned host memory (its weights are on an accelerator)."""
-    return next(model.parameters()).device.type != "cpu"
-
-
-def warm_state_buffers(role: Role, model, optimizer) -> bool:
-    """Fill the process's first set of trainer-state host buffers now, at an update that writes no
-    state (in practice the first): allocating and page-locking several GB (6 GB for a 0.5B model with
-    AdamW) holds up every CUDA call of the process for a while, which the first background state
-    write would otherwise add to the iteration it overlaps. Returns whether a set was allocated."""
-    from kfrl.models.hf_io import host_buffers
-
-    pool = host_buffers(f"trainer_state/{role.name}")
-    if pool.sets:
-        return False
-    buffers = pool.take()
-    try:
-        snapshot(model, optimizer, buffers)
-    finally:
-        pool.give_back(buffers)
-    return True
 
 
 def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:
