@@ -19,7 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 
 def _fail(message: str, code: int = EXIT_REFUSED) -> None:
-    from kfrl.tracking import redact
+    from kfrl.redaction import redact
 
     typer.secho(f"error: {redact(message)}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
@@ -308,6 +308,9 @@ def schedule(
 
 
 def main() -> None:
+    from kfrl.redaction import redact_logging
+
+    redact_logging()
     try:
         app()
     except KeyboardInterrupt:

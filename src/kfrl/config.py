@@ -500,10 +500,19 @@ class Config(Section):
         return self.tracking.experiment_name or self.trainer.project_name
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The config as YAML for people and for the store: credentials redacted (``kfrl.redaction``).
+        Secrets reach a run through the environment (MLflow's and AWS's variables, the cluster's
+        secret), never through a stored or printed config."""
+        return yaml.safe_dump(self.redacted_tree(), sort_keys=False)
 
     def flat(self) -> dict[str, Any]:
-        return flatten(self.model_dump(mode="json"))
+        """``{"section.key": value}`` (what MLflow params log), credentials redacted."""
+        return flatten(self.redacted_tree())
+
+    def redacted_tree(self) -> dict[str, Any]:
+        from kfrl.redaction import redact_tree
+
+        return redact_tree(self.model_dump(mode="json"))
 
 
 def flatten(d: Mapping, prefix: str = "", sep: str = ".") -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kfrl.config import Config
 from kfrl.faults import failpoint
+from kfrl.redaction import redact
 from kfrl.run import POLICY_STAGE, Run
 from kfrl.stages import METRIC_ORDER, STAGES, TIMING_NAMES, plan, skip_reason
 from kfrl.store import Store
@@ -129,7 +130,10 @@ def gpu_present() -> bool:
 
 
 def resolve_resume(stored: Config, given: Config, total_iterations: int | None) -> tuple[Config, list[str]]:
-    """The config of a resumed run and the differences the user asked for that do not apply."""
+    """The config of a resumed run and the differences the user asked for that do not apply. A stored
+    value that is the given one with its credentials redacted takes the given one."""
+    from kfrl.redaction import is_redacted_form_of
+
     tree = stored.model_dump(mode="json")
     given_tree = given.model_dump(mode="json")
     ignored = []
@@ -141,6 +145,9 @@ def resolve_resume(stored: Config, given: Config, total_iterations: int | None) 
             if section == "trainer" and key == "total_iterations":
                 continue
             if tree[section].get(key) != value:
+                if is_redacted_form_of(tree[section].get(key), value):  # stored without its credentials
+                    tree[section][key] = value
+                    continue
                 ignored.append(f"{section}.{key}")
     tree["trainer"]["total_iterations"] = (total_iterations or given.trainer.total_iterations
                                            or stored.trainer.total_iterations)
@@ -316,7 +323,7 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
                            mlflow_run_name=run_name, tracking_uri=tracker.tracking_uri,
                            registered_model=config.registered_model_name)
     stage_plan = plan(config)
-    console.print(f"[bold]kfrl[/] run [cyan]{run_id}[/] · store {run_uri} · runner {config.pipeline.runner} · "
+    console.print(f"[bold]kfrl[/] run [cyan]{run_id}[/] · store {redact(run_uri)} · runner {config.pipeline.runner} · "
                   f"MLflow run {tracker.mlflow_run_id}")
     if latest:
         console.print(f"resuming after iteration {latest} (LATEST); iterations {latest + 1}..{total} to go")

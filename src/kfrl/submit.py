@@ -24,13 +24,17 @@ def kfp_cron(expression: str) -> str:
 def pipeline_arguments(config: Config, *, overrides: list[str], iterations: int | None, run_id: str = "",
                        promote_alias: str = "") -> dict:
     """The rl_train parameters that reproduce this config on the cluster. The config goes whole (YAML)
-    with the execution keys the cluster decides left to the pipeline (runner kfp, the in-cluster API)."""
-    tree = config.model_dump(mode="json")
+    with the execution keys the cluster decides left to the pipeline (runner kfp, the in-cluster API).
+    Credentials are redacted: a run parameter is visible to everyone who can read the pipeline, so
+    they reach the cluster's tasks through ``cluster.secret`` only."""
+    from kfrl.redaction import redact
+
+    tree = config.redacted_tree()
     tree["pipeline"].pop("runner", None)
     tree["pipeline"].pop("host", None)
     import yaml
 
-    return {"config_yaml": yaml.safe_dump(tree, sort_keys=False), "overrides": " ".join(shlex.quote(o) for o in overrides),
+    return {"config_yaml": yaml.safe_dump(tree, sort_keys=False), "overrides": redact(" ".join(shlex.quote(o) for o in overrides)),
             "iterations": int(iterations or 0), "run_id": run_id, "promote_alias": promote_alias, "runner": "kfp"}
 
 

@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import posixpath
-import re
 import sqlite3
 import tempfile
 import time
@@ -35,6 +34,7 @@ from urllib.parse import urlparse, urlunparse
 
 from kfrl.config import flatten  # noqa: F401  (re-exported: the flattened config is what params log)
 from kfrl.faults import failpoint
+from kfrl.redaction import MASK, redact
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
@@ -173,22 +173,6 @@ def _is_half_built(db_path: Path) -> bool:
 
 # --- credentials ---------------------------------------------------------------------------------
 
-_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
-SECRET_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "AWS_SECRET_ACCESS_KEY",
-                    "AWS_SESSION_TOKEN")
-
-
-def redact(text: str) -> str:
-    """``text`` with URI credentials (``scheme://user:pass@``) and the values of secret variables
-    replaced by ``***``: for anything printed, stored or logged."""
-    text = _USERINFO.sub(r"\1***@", str(text))
-    for name in SECRET_VARIABLES:
-        value = os.environ.get(name)
-        if value and len(value) >= 4:
-            text = text.replace(value, "***")
-    return text
-
-
 def credentials_to_environment(uri: str) -> str:
     """A tracking URI without its ``user:password@``; the credentials go to MLflow's own variables
     (``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``, which its HTTP client sends as basic auth), so the
@@ -198,10 +182,12 @@ def credentials_to_environment(uri: str) -> str:
         return uri
     from urllib.parse import unquote
 
-    if parsed.username:
-        os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parsed.username)
-    if parsed.password:
-        os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parsed.password)
+    # "***@" is what redaction left of them (a stored or submitted config): the environment has them, or not.
+    if parsed.username != MASK:
+        if parsed.username:
+            os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parsed.username)
+        if parsed.password:
+            os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parsed.password)
     host = parsed.hostname or ""
     netloc = f"[{host}]" if ":" in host else host
     if parsed.port:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from kfrl.redaction import redact
+
 
 def run_for_kfp(stage: str, run_uri: str, iteration: int, metrics_artifact) -> str:
     from kfrl.engine_client import dispatch
@@ -34,7 +36,7 @@ def _report(result, iteration: int, metrics_artifact) -> str:
     if result.skipped:
         metrics_artifact.metadata["skipped"] = result.skipped
     status = "skipped: " + result.skipped if result.skipped else ("already committed" if result.cached else "done")
-    print(f"[kfrl] iteration {iteration} {stage}: {status} -> {result.uri}")
+    print(f"[kfrl] iteration {iteration} {stage}: {status} -> {redact(result.uri)}")
     return result.uri
 
 
@@ -75,7 +77,7 @@ def train_for_kfp(*, config_yaml: str, model_path: str, train_files: str, val_fi
         command = [sys.executable, "-m", "kfrl.cli", "train", "--config", config_file, "--run-id", run_id,
                    "--json", summary_file, *(["--iterations", str(iterations)] if iterations else []), *extra]
         env = {key: value for key, value in os.environ.items() if key != "_KFP_RUNTIME"}
-        print(f"[kfrl] {' '.join(shlex.quote(c) for c in command)}", flush=True)
+        print(f"[kfrl] {redact(' '.join(shlex.quote(c) for c in command))}", flush=True)
         finished = subprocess.run(command, env=env)
         if finished.returncode != 0:
             raise RuntimeError(f"kfrl train exited with status {finished.returncode} (see the lines above); the "
