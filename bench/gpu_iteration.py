@@ -25,13 +25,22 @@ import tempfile
 import time
 from pathlib import Path
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
-                  tie_word_embeddings=True, rms_norm_eps=1e-6)
+# Model shapes (random init): Qwen2.5-0.5B and -1.5B as published, and a tiny one that runs on a CPU.
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                 tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                 tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096, rope_theta=1_000_000.0,
+                  tie_word_embeddings=True, rms_norm_eps=1e-6),
+}
 
 
-def build_model_dir(out: Path) -> Path:
-    """A random-init 0.5B Qwen2 and a word-level tokenizer with the same 151,936-entry vocabulary."""
+def build_model_dir(out: Path, shape: str = "0.5b") -> Path:
+    """A random-init Qwen2 of ``shape`` (``SHAPES``) and a word-level tokenizer of its vocabulary size."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -42,7 +51,7 @@ def build_model_dir(out: Path) -> Path:
     vocab = {tok: i for i, tok in enumerate(specials)}
     for word in "What is + ? user assistant".split() + [str(d) for d in range(10)]:
         vocab.setdefault(word, len(vocab))
-    while len(vocab) < QWEN25_05B["vocab_size"]:
+    while len(vocab) < SHAPES[shape]["vocab_size"]:
         vocab[f"w{len(vocab)}"] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(True)])
@@ -50,7 +59,7 @@ def build_model_dir(out: Path) -> Path:
                                         additional_special_tokens=["<|im_start|>"], padding_side="left")
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
-    config = Qwen2Config(**QWEN25_05B, pad_token_id=0, eos_token_id=2, bos_token_id=0)
+    config = Qwen2Config(**SHAPES[shape], pad_token_id=0, eos_token_id=2, bos_token_id=0)
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=2, pad_token_id=0, bos_token_id=0)
     model.save_pretrained(out)
@@ -102,7 +111,25 @@ def write_long_prompts(out: Path, prompt_tokens: int, rows: int = 512) -> Path:
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA's H200 SXM figure without sparsity
 
 
-def update_mfu(run, iteration: int, stage: dict) -> float | None:
+def model_parameters(model_dir: Path) -> int:
+    """The checkpoint's parameter count (tied tensors once), read from its safetensors headers."""
+    from safetensors import safe_open
+
+    from kfrl.models.hf_io import safetensors_files
+
+    total = 0
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                count = 1
+                for dim in shape:
+                    count *= dim
+                total += count
+    return total
+
+
+def update_mfu(run, iteration: int, stage: dict, params: int) -> float | None:
     """Model FLOPs utilisation of the actor update's compute: 6 x parameters x tokens trained (prompt and
     response, padding excluded) over the update's seconds without its checkpoint and hand-off."""
     import pyarrow.parquet as pq
@@ -122,14 +149,26 @@ def update_mfu(run, iteration: int, stage: dict) -> float | None:
             tokens += sum(len(x) for x in table.column("response_ids").to_pylist())
     compute_s = stage["timing_s/update_actor"] - sum(stage.get(k, 0.0) for k in (
         "timing_s/save_checkpoint", "timing_s/hand_off", "timing_s/save_trainer_state"))
-    params = 494_032_768
     return round(6 * params * tokens / compute_s / H200_BF16_DENSE_FLOPS, 3) if compute_s > 0 else None
+
+
+def wall_summary(walls: list[float]) -> dict:
+    """Mean, median, worst and worst/median of iteration wall times."""
+    import statistics
+
+    if not walls:
+        return {}
+    median = statistics.median(walls)
+    return {"n": len(walls), "mean_s": round(statistics.fmean(walls), 3), "median_s": round(median, 3),
+            "worst_s": round(max(walls), 3), "best_s": round(min(walls), 3),
+            "worst_over_median": round(max(walls) / median, 2) if median > 0 else None}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="the random-init model's shape")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--response-length", type=int, default=256)
@@ -144,8 +183,16 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None, help="a ready config to run instead of the issue shape")
     parser.add_argument("--profile-stage", default="",
                         help="stages (comma-separated) to run under cProfile at iteration 3 (top functions go in the JSON)")
+    parser.add_argument("--keep-weights", type=int, default=0,
+                        help="delete the policy weights of iterations older than the newest K as the run goes "
+                             "(0: keep all); for shapes whose 20 iterations of weights fill the disk")
+    parser.add_argument("--smoke", action="store_true", help="the smoke shape and a small batch, on the CPU when no GPU "
+                        "is present: checks the script runs")
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. algorithm.adv_estimator=gae")
     args = parser.parse_args()
+    if args.smoke:
+        args.shape, args.prompts, args.n, args.response_length = "smoke", 4, 2, 8
+        args.prompt_tokens = min(args.prompt_tokens, 40)
 
     import torch
 
@@ -154,15 +201,23 @@ def main() -> None:
     from kfrl.stages.prepare import prepare_run
     from kfrl.store import Store
 
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
+    cuda = torch.cuda.is_available()
+    assert cuda or args.smoke, "this benchmark needs a CUDA device"
+    if not cuda:  # the smoke run: CUDA's memory statistics read as zero
+        for name in ("reset_peak_memory_stats", "synchronize"):
+            setattr(torch.cuda, name, lambda *a, **k: None)
+        for name in ("max_memory_allocated", "memory_allocated", "memory_reserved"):
+            setattr(torch.cuda, name, lambda *a, **k: 0)
+        torch.cuda.get_device_name = lambda *a, **k: "cpu"
     if args.cudnn_attention:
         from kfrl.engines import inference
 
         inference.AVOID_CUDNN_ATTENTION = False
     work = Path(tempfile.mkdtemp(prefix="kfrl-bench-"))
     t0 = time.perf_counter()
-    model_dir = build_model_dir(work / "model")
+    model_dir = build_model_dir(work / "model", args.shape)
     build_s = time.perf_counter() - t0
+    params = model_parameters(model_dir)
     if args.config is not None:
         data = write_gsm8k_shaped(work / "data")
         overrides = [f"model.path={model_dir}", f"store.uri={work / 'store'}", "pipeline.runner=inline",
@@ -189,14 +244,26 @@ def main() -> None:
     prepare_run(run, cfg)
     prepare_s = time.perf_counter() - t0
 
+    from transformers import AutoConfig
+
+    shape = AutoConfig.from_pretrained(model_dir)
     update.write_states_in_background(not args.per_task)
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": "Qwen2.5-0.5B shape, random init",
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+               "model": f"Qwen2.5-{args.shape.upper()} shape, random init" if args.shape != "smoke" else "smoke shape",
+               "params": params, "shape": {k: getattr(shape, k, None) for k in SHAPES[args.shape]},
                "config": str(args.config) if args.config else None, "workload": args.workload,
                "mode": "per_task" if args.per_task else "resident", "cudnn_attention": args.cudnn_attention,
-               "params": None, "build_model_s": build_s, "prepare_s": prepare_s, "overrides": overrides, "iterations": []}
+               "trainer_state_freq": cfg.trainer.trainer_state_freq,
+               "build_model_s": build_s, "prepare_s": prepare_s, "overrides": overrides, "iterations": []}
+    # An iteration's wall time runs from its start to the next one's start: whatever the process waits
+    # for in between (a trainer-state snapshot, a background commit, this script's own bookkeeping)
+    # belongs to some iteration. The last one ends with its stages; the final wait for its background
+    # writes (the last trainer state, written at the end of every run) is the run's, reported as drain_s
+    # and counted in run_s.
+    starts: list[float] = []
     for iteration in range(1, args.iterations + 1):
         stages = {}
-        it_start = time.perf_counter()
+        starts.append(time.perf_counter())
         for stage in STAGES:
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
@@ -232,28 +299,49 @@ def main() -> None:
 
                 stages[stage]["backend"] = StageContext.open(run.uri, iteration).manifest("rollout").info.get(
                     "rollout_backend")
-        total = time.perf_counter() - it_start
-        update._wait_for_state("actor")  # memory measured once the state snapshot is on the host
         gen = stages["rollout"]
-        results["iterations"].append({
-            "iteration": iteration, "total_s": round(total, 2), "stages": stages,
+        record = {
+            "iteration": iteration, "stages_s": round(time.perf_counter() - starts[-1], 2), "stages": stages,
             "rollout_tokens_per_s": round(gen["perf/response_tokens"] / gen["wall_s"], 1),
-            "update_mfu": update_mfu(run, iteration, stages["update_actor"]),
+            "update_mfu": update_mfu(run, iteration, stages["update_actor"], params),
             "allocated_gib_after": round(torch.cuda.memory_allocated() / 2**30, 3),
             "reserved_gib_after": round(torch.cuda.memory_reserved() / 2**30, 3),
-        })
-        print(json.dumps(results["iterations"][-1]), flush=True)
-    started = time.perf_counter()
-    update.drain()
-    results["drain_trainer_state_s"] = round(time.perf_counter() - started, 2)
-    from transformers import AutoConfig
+            "peak_gib": max(stage["peak_mem_gib"] for stage in stages.values()),
+        }
+        results["iterations"].append(record)
+        if args.keep_weights and iteration - args.keep_weights >= 1:
+            from kfrl.run import stage_prefix
 
-    config = AutoConfig.from_pretrained(model_dir)
-    results["params"] = "494M (Qwen2.5-0.5B shape: " + json.dumps({k: getattr(config, k, v) for k, v in QWEN25_05B.items()}) + ")"
+            run.remove_commit(stage_prefix(iteration - args.keep_weights, "update_actor"))
+        if iteration > 1:
+            previous = results["iterations"][-2]
+            previous["wall_s"] = round(starts[-1] - starts[-2], 3)
+            print(json.dumps({k: v for k, v in previous.items() if k != "stages"}), flush=True)
+    started = time.perf_counter()
+    last = results["iterations"][-1]
+    last["wall_s"] = round(started - starts[-1], 3)
+    update.drain()
+    ended = time.perf_counter()
+    results["drain_s"] = round(ended - started, 2)
+    print(json.dumps({k: v for k, v in last.items() if k != "stages"}), flush=True)
+    walls = [r["wall_s"] for r in results["iterations"]]
+    results["iteration_wall"] = {"first_s": walls[0], "after_first": wall_summary(walls[1:]),
+                                 "all": wall_summary(walls)}
+    results["run_s"] = round(ended - starts[0], 2)
     text = json.dumps(results, indent=2)
     print(text)
+    print("SUMMARY " + json.dumps({"shape": args.shape, "params": params, "iterations": args.iterations,
+                                   "trainer_state_freq": cfg.trainer.trainer_state_freq,
+                                   "wall": results["iteration_wall"], "drain_s": results["drain_s"],
+                                   "rollout_tok_s": round(sum(r["rollout_tokens_per_s"] for r in results["iterations"][1:])
+                                                          / max(1, len(walls) - 1)),
+                                   "update_mfu": [r["update_mfu"] for r in results["iterations"]],
+                                   "peak_gib": max(r["peak_gib"] for r in results["iterations"])}), flush=True)
     if args.out:
         args.out.write_text(text)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)  # tens of GB of checkpoints at the larger shapes
 
 
 if __name__ == "__main__":

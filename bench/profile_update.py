@@ -229,7 +229,8 @@ def write_speeds(work: Path) -> dict:
 def profile_commit(model, tokenizer, work: Path) -> dict:
     import torch
 
-    from kfrl.models.hf_io import on_host, save_hf
+    from kfrl.models.hf_io import save_hf
+    from kfrl.models.host_memory import on_host
     from kfrl.models.mlmodel import write_mlmodel
     from kfrl.store import Store
 
@@ -310,12 +311,7 @@ def main() -> None:
     from gpu_iteration import build_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="kfrl-bench-"))
-    if args.smoke:
-        import gpu_iteration
-
-        gpu_iteration.QWEN25_05B.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)
-    model_dir = build_model_dir(work / "model")
+    model_dir = build_model_dir(work / "model", "smoke" if args.smoke else "0.5b")
     model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = model.cuda() if torch.cuda.is_available() else model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kfrl.config import load_config
-from kfrl.models import hf_io
+from kfrl.models import hf_io, host_memory
 from kfrl.run import Run
 from kfrl.stages import STAGES, run_stage, update
 from kfrl.stages.prepare import prepare_run
@@ -51,7 +51,7 @@ def slow_weights(monkeypatch, seconds: float, started: threading.Event | None = 
 
 
 def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_commits_after_them(run, monkeypatch):
-    sets_before = hf_io.host_buffers("weights/actor").sets
+    sets_before = host_memory.host_buffers("weights/actor").sets
     for stage in STAGES:
         run_stage(stage, run.uri, 1)
     run.set_latest(1)
@@ -82,7 +82,7 @@ def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_
     with torch.no_grad():
         weight.sub_(1.0)
     # Each update copied the weights into the host buffers the one before had used (and given back).
-    assert hf_io.host_buffers("weights/actor").sets - sets_before <= 1
+    assert host_memory.host_buffers("weights/actor").sets - sets_before <= 1
 
 
 def test_a_failed_background_write_commits_nothing_and_stops_the_next_commit(run, monkeypatch):

@@ -70,7 +70,7 @@ if __name__ == "__main__":
 
 
 def test_host_buffers_are_reused_and_a_set_being_written_is_never_handed_out():
-    from kfrl.models.hf_io import HostBuffers, on_host
+    from kfrl.models.host_memory import HostBuffers, on_host
 
     pool = HostBuffers()
     weight = torch.randn(3, 4)

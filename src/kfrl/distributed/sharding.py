@@ -38,7 +38,7 @@ class Layout:
 
     @classmethod
     def of(cls, model, optimizer) -> "Layout":
-        from kfrl.models.hf_io import tensor_identity
+        from kfrl.models.host_memory import tensor_identity
 
         first: dict[tuple, str] = {}
         aliases = {}

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from kfrl.models.host_memory import on_host, tensor_identity
+
 
 def _require_hf_dir(path: str | Path) -> Path:
     """Fail early with a clear message: from_pretrained would treat a bad path as a hub id."""
@@ -87,12 +89,6 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype | None = None, device: s
     return model.to(device)
 
 
-def tensor_identity(t: torch.Tensor) -> tuple:
-    """Equal for two tensors that are views of the same memory with the same layout (tied weights:
-    ``state_dict()`` returns a new tensor object per name, so ``id`` cannot tell)."""
-    return (t.device.type, t.device.index, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-
 # safetensors dtype names (the format's spec); tensors of other dtypes are not written by kfrl.
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -102,17 +98,94 @@ _SAFETENSORS_DTYPES = {
 MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
 WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # more writers than cores only slow the rest down
 WRITE_CHUNK = 64 * 2**20
+PACED_CHUNK = 32 * 2**20
+
+
+class PacedWriter:
+    """A file written front to back whose data goes to the disk as it is written, for large files
+    nobody waits on (the trainer state, written on a thread beside running stages).
+
+    On ext4 every fsync commits the journal, and with it writes out the data other files have dirtied:
+    a stage's manifest fsync'd beside a 6 GB buffered write waited up to 0.25-0.95 s on one H200
+    machine (``bench/fsync_beside_write.py``), and an iteration makes dozens of such commits. Here each
+    ``PACED_CHUNK`` starts its write-out as soon as it is written and the writer waits for the chunk
+    before it (``sync_file_range``), so at most two chunks of this file are ever dirty and a commit
+    beside it waits for one chunk at most. The chunk is not smaller because every system call hands
+    the GIL back: with 8 MiB chunks beside busy stages the write crawled at ~0.35 GB/s. Where
+    ``sync_file_range`` does not exist (not Linux), a plain write. File-like enough for ``torch.save``."""
+
+    def __init__(self, path: str | Path, chunk: int = PACED_CHUNK) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._chunk = chunk
+        self._written = 0
+        self._started = 0  # bytes whose write-out has been started
+        self._previous = (0, 0)  # the chunk before the last one started: (offset, length)
+        self._sync_range = _sync_file_range()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            done = os.write(self._fd, view[:self._chunk])
+            view = view[done:]
+            self._written += done
+            if self._written - self._started >= self._chunk:
+                self._pace(self._started, self._written - self._started)
+                self._started = self._written
+        return total
+
+    def _pace(self, offset: int, length: int) -> None:
+        if self._sync_range is None or not length:
+            return
+        self._sync_range(self._fd, offset, length, _SYNC_WRITE)
+        before, before_length = self._previous
+        if before_length:  # wait for the chunk before this one
+            self._sync_range(self._fd, before, before_length, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER)
+        self._previous = (offset, length)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            try:
+                self._pace(self._started, self._written - self._started)
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> "PacedWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
+
+
+def _sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None."""
+    import ctypes
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return call
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], folder: str | Path, *,
-                      max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+                      max_shard_bytes: int = MAX_SHARD_BYTES, paced: bool = False) -> list[Path]:
     """Write ``tensors`` as ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards plus
     ``model.safetensors.index.json`` beyond ``max_shard_bytes``), the layout ``from_pretrained`` reads.
 
     The bytes go out with ``pwrite`` calls at each tensor's offset, from ``WRITE_THREADS`` threads,
     straight from the tensor's memory (copied to the host first when it is on an accelerator): no
     serialised copy of the whole file is built, and the tensors may be a host snapshot written on a
-    background thread while the model moves on."""
+    background thread while the model moves on. ``paced``: one writer, front to back, through
+    ``PacedWriter`` (for a large file written beside running stages)."""
     import json
     import struct
     from concurrent.futures import ThreadPoolExecutor
@@ -144,23 +217,29 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: str | Path, *,
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the reference writer does
         start = 8 + len(encoded)
+        # Each tensor's bytes, in file order (copied to the host first when on an accelerator).
+        data = [memoryview(tensors[key].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+                for key in keys if tensors[key].numel()]
+        if paced:
+            with PacedWriter(folder / file_name) as out:
+                out.write(struct.pack("<Q", len(encoded)) + encoded)
+                for host in data:
+                    out.write(host)
+            continue
         fd = os.open(folder / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.pwrite(fd, struct.pack("<Q", len(encoded)) + encoded, 0)
-
             pieces = []  # (bytes, file offset), at most WRITE_CHUNK each, so threads share a big tensor too
-            for key in keys:
-                tensor = tensors[key].detach()
-                if tensor.numel():
-                    host = memoryview(tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
-                    at = start + header[key]["data_offsets"][0]
-                    pieces += [(host[i:i + WRITE_CHUNK], at + i) for i in range(0, len(host), WRITE_CHUNK)]
+            at = start
+            for host in data:
+                pieces += [(host[i:i + WRITE_CHUNK], at + i) for i in range(0, len(host), WRITE_CHUNK)]
+                at += len(host)
 
             def put(piece) -> None:
-                data, at = piece
-                while data:  # pwrite may write less than asked
-                    written = os.pwrite(fd, data, at)
-                    data, at = data[written:], at + written
+                chunk, at = piece
+                while chunk:  # pwrite may write less than asked
+                    written = os.pwrite(fd, chunk, at)
+                    chunk, at = chunk[written:], at + written
 
             # Several writers at disjoint offsets: some file systems (gVisor's, overlays) take one
             # stream of writes at a fraction of their throughput.
@@ -174,89 +253,6 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: str | Path, *,
         (folder / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return [folder / n for n in names]
-
-
-class HostBuffers:
-    """Host tensors kept for a snapshot that repeats (the weights after every update, the trainer state
-    every k-th): each snapshot copies into the tensors the one before it used, so none allocates (or
-    page-locks) host memory once the first has. A snapshot still being written holds its set; the next
-    takes another (``take``/``give_back``), so a slow write never has its memory changed under it."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self._lock = threading.Lock()
-        self._free: list[list[torch.Tensor]] = []
-        self.sets = 0  # sets allocated so far (two in steady state: one being written, one being filled)
-
-    def take(self) -> list[torch.Tensor]:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            self.sets += 1
-            return []
-
-    def give_back(self, buffers: list[torch.Tensor]) -> None:
-        with self._lock:
-            self._free.append(buffers)
-
-
-_HOST_BUFFERS: dict[str, HostBuffers] = {}
-
-
-def host_buffers(name: str) -> HostBuffers:
-    """This process's ``HostBuffers`` for the snapshots called ``name`` (e.g. ``weights/actor``)."""
-    return _HOST_BUFFERS.setdefault(name, HostBuffers())
-
-
-def on_host(tensors: dict, dtype: torch.dtype | None = None, buffers: list[torch.Tensor] | None = None) -> dict:
-    """``tensors`` (a nested dict/list of tensors, as a state dict or an optimizer state) copied to host
-    memory, floating tensors cast to ``dtype`` when given. From an accelerator the copies go into pinned
-    memory, all queued before one synchronisation. ``buffers`` (a set from ``HostBuffers.take``): the
-    k-th tensor copied goes into its k-th tensor when shape and dtype match, and new tensors are kept
-    there for the next snapshot. Tied tensors stay one tensor. On the CPU the result is a copy too (the
-    caller may keep it while the originals change)."""
-    memo: dict[tuple, torch.Tensor] = {}
-    streams = set()
-    copied = [0]
-
-    def host_tensor(value: torch.Tensor, target: torch.dtype) -> torch.Tensor:
-        index = copied[0]
-        copied[0] += 1
-        if buffers is not None and index < len(buffers):
-            held = buffers[index]
-            if held.shape == value.shape and held.dtype == target:
-                return held
-        host = torch.empty(value.shape, dtype=target, pin_memory=value.device.type != "cpu")
-        if buffers is not None:
-            buffers[index:index + 1] = [host]
-        return host
-
-    def copy(value):
-        if isinstance(value, torch.Tensor):
-            key = tensor_identity(value)
-            if key not in memo:
-                target = dtype if dtype is not None and value.is_floating_point() else value.dtype
-                if value.device.type == "cpu" and buffers is None:
-                    memo[key] = value.detach().to(target, copy=True)
-                else:
-                    host = host_tensor(value, target)
-                    host.copy_(value.detach(), non_blocking=value.device.type != "cpu")
-                    if value.device.type != "cpu":
-                        streams.add(value.device)
-                    memo[key] = host
-            return memo[key]
-        if isinstance(value, dict):
-            return {key: copy(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(copy(item) for item in value)
-        return value
-
-    out = copy(tensors)
-    for device in streams:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-    return out
 
 
 def unique_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -298,7 +294,7 @@ def host_weights(model: PreTrainedModel, dtype: torch.dtype | None = None,
                  state: dict[str, torch.Tensor] | None = None, *, copy: bool = False,
                  buffers: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of ``model`` (or of ``state``) holds, tied ones once, cast to ``dtype``,
-    in host memory (pinned when they come from an accelerator; see ``on_host``, also for ``buffers``).
+    in host memory (page-locked when they come from an accelerator; see ``on_host``, also for ``buffers``).
     ``copy``: never the model's own tensors, also on the CPU (for a write that outlives the call)."""
     tensors = unique_state(state if state is not None else model.state_dict())
     if copy or buffers is not None or any(t.device.type != "cpu" for t in tensors.values()):
@@ -307,7 +303,8 @@ def host_weights(model: PreTrainedModel, dtype: torch.dtype | None = None,
 
 
 def write_hf_dir(out_dir: str | Path, configs: dict[str, bytes], weights: dict[str, torch.Tensor] | None,
-                 tokenizer: PreTrainedTokenizerBase | None = None, *, link_tokenizer_from: Path | None = None) -> Path:
+                 tokenizer: PreTrainedTokenizerBase | None = None, *, link_tokenizer_from: Path | None = None,
+                 paced: bool = False) -> Path:
     """An HF model directory from ``config_files`` and ``host_weights`` (None: no weights file): what
     ``save_hf`` writes, split so that the files can be written on another thread from a snapshot while
     the model moves on. ``link_tokenizer_from``: see ``save_tokenizer``'s ``link_from``."""
@@ -316,18 +313,20 @@ def write_hf_dir(out_dir: str | Path, configs: dict[str, bytes], weights: dict[s
     for name, data in configs.items():
         (out_dir / name).write_bytes(data)
     if weights is not None:
-        write_safetensors(weights, out_dir)
+        write_safetensors(weights, out_dir, paced=paced)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out_dir, link_from=link_tokenizer_from)
     return out_dir
 
 
 def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
-            dtype: torch.dtype | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
+            dtype: torch.dtype | None = None, state: dict[str, torch.Tensor] | None = None, *,
+            paced: bool = False) -> Path:
     """Save an HF model directory: config, generation config, safetensors weights (from ``state`` when
     given, else the model's own; cast to ``dtype`` when given: the model itself is left as it is) and
-    the tokenizer (when given) into out_dir."""
-    return write_hf_dir(out_dir, config_files(model, dtype), host_weights(model, dtype, state), tokenizer)
+    the tokenizer (when given) into out_dir. ``paced``: see ``write_safetensors``."""
+    return write_hf_dir(out_dir, config_files(model, dtype), host_weights(model, dtype, state), tokenizer,
+                        paced=paced)
 
 
 # Saved tokenizer files per tokenizer object: every weights commit carries the tokenizer (twice, with

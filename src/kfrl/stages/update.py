@@ -72,6 +72,7 @@ def drain() -> None:
 
     for role in list(_PENDING):
         _PENDING.pop(role).wait()
+    _DEFERRED.clear()
     settle_in_flight()
 
 
@@ -232,9 +233,14 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
     started = time.perf_counter()
     if not _BACKGROUND["enabled"]:
         _write_state(ctx, role, attempt.attempt, model, optimizer, steps)
-    elif state_due(ctx.config.trainer, ctx.iteration):
-        _PENDING[role.name] = _StateWrite(ctx, role, attempt.attempt, model, optimizer, steps,
-                                          previous=_PENDING.get(role.name)).start()
+    elif state_due(ctx.config.trainer, ctx.iteration) or role.name in _DEFERRED:
+        if defer_state_write(ctx.config.trainer, role.name, ctx.iteration):
+            metrics[f"perf/trainer_state_deferred{suffix}"] = 1.0
+        else:
+            _PENDING[role.name] = _StateWrite(ctx, role, attempt.attempt, model, optimizer, steps,
+                                              previous=_PENDING.get(role.name)).start()
+    else:
+        reserve_state_buffers(role, model, optimizer)
     metrics[f"timing_s/save_trainer_state{suffix}"] = time.perf_counter() - started
     return metrics
 
@@ -255,7 +261,8 @@ def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = 
     ``MLmodel`` file (the folder is what MLflow model versions point at). ``copy_now``: the weights are
     copied to host memory now, so ``write`` may run after the model has moved on; with ``buffers_name``
     into that ``HostBuffers`` pool's tensors, which ``write`` gives back once the files are written."""
-    from kfrl.models.hf_io import config_files, host_buffers, host_weights, write_hf_dir
+    from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
+    from kfrl.models.host_memory import host_buffers
 
     dtype = ctx.compute_dtype
     pool = host_buffers(buffers_name) if buffers_name else None
@@ -323,22 +330,32 @@ def _early_folder(attempt_id: str) -> Path:
     return root / attempt_id
 
 
+def reserve_state_buffers(role: Role, model, optimizer) -> bool:
+    """Build the host buffers of this role's trainer-state snapshots on a thread, now, while iterations
+    run, rather than when the first snapshot is due (12 bytes per parameter: 6 GB at 0.5B, whose
+    page-locking stalled the stages beside it by seconds). Once per process and role."""
+    from kfrl.models.host_memory import host_buffers, snapshot_layout
+
+    pool = host_buffers(f"trainer_state/{role.name}")
+    return not pool.sets and pool.reserve(snapshot_layout((model.state_dict(), optimizer.state_dict())))
+
+
 def snapshot(model, optimizer, buffers: list | None = None) -> tuple[dict, dict]:
     """(model state, optimizer state) copied off the accelerator (into ``buffers``, a ``HostBuffers``
     set, when given): what a trainer-state write needs, so the training copy may change while the files
     are written. Tied tensors stay one tensor."""
-    from kfrl.models.hf_io import on_host
+    from kfrl.models.host_memory import on_host
 
     return on_host((model.state_dict(), optimizer.state_dict()), buffers=buffers)
 
 
 def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, optimizer, steps: int,
-                 states: tuple[dict, dict] | None = None) -> None:
+                 states: tuple[dict, dict] | None = None, *, paced: bool = False) -> None:
     """Commit the trainer state of this iteration's update (from ``states``, a ``snapshot``, when given),
-    then apply retention."""
+    then apply retention. ``paced``: written beside running stages, through ``PacedWriter``."""
     import torch
 
-    from kfrl.models.hf_io import save_hf
+    from kfrl.models.hf_io import PacedWriter, save_hf
     from kfrl.store import wait_for_in_flight
 
     model_state, optimizer_state = states or (model.state_dict(), optimizer.state_dict())
@@ -348,8 +365,12 @@ def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, opt
     wait_for_in_flight()
     state = ctx.store.open_attempt(stage_prefix(ctx.iteration, role.state))
     with state.staged_dir() as folder:
-        save_hf(model, None, folder, state=model_state)
-        torch.save(optimizer_state, folder / OPTIMIZER_FILE)
+        save_hf(model, None, folder, state=model_state, paced=paced)
+        if paced:
+            with PacedWriter(folder / OPTIMIZER_FILE) as out:
+                torch.save(optimizer_state, out)
+        else:
+            torch.save(optimizer_state, folder / OPTIMIZER_FILE)
         (folder / TRAINER_STATE_FILE).write_text(json.dumps({"iteration": ctx.iteration, "optimizer_steps": steps}))
         failpoint("trainer_state")
     state.commit(info={"iteration": ctx.iteration, "weights_attempt": weights_attempt, "optimizer_steps": steps})
@@ -359,9 +380,33 @@ def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, opt
 def state_due(trainer_cfg, iteration: int) -> bool:
     """Whether a process that keeps its training copy writes the trainer state after ``iteration``:
     every ``trainer_state_freq``-th, the last, and every ``save_freq``-th."""
+    return iteration % trainer_cfg.trainer_state_freq == 0 or state_required(trainer_cfg, iteration)
+
+
+def state_required(trainer_cfg, iteration: int) -> bool:
+    """The states never deferred: the last iteration's and every ``save_freq``-th."""
     save = trainer_cfg.save_freq
-    return (iteration % trainer_cfg.trainer_state_freq == 0 or iteration == trainer_cfg.total_iterations
-            or (save > 0 and iteration % save == 0))
+    return iteration == trainer_cfg.total_iterations or (save > 0 and iteration % save == 0)
+
+
+# Roles whose due trainer-state write was put off (the iteration it was first due): the previous write
+# was still running. Writing it anyway would make the snapshot, and with it the next update, wait for
+# the disk; a state not written is rebuilt exactly if ever needed (see ``rebuild_trainer_state``).
+_DEFERRED: dict[str, int] = {}
+
+
+def defer_state_write(trainer_cfg, role_name: str, iteration: int) -> bool:
+    """Whether the trainer-state write due after ``iteration`` waits for a later iteration: only while the
+    role's previous write is still running, for at most ``trainer_state_freq`` iterations (so states
+    stay at most twice that apart), and never for a required state (``state_required``)."""
+    pending = _PENDING.get(role_name)
+    first = _DEFERRED.get(role_name, iteration)
+    if (pending is not None and pending.thread.is_alive() and not state_required(trainer_cfg, iteration)
+            and iteration - first < trainer_cfg.trainer_state_freq):
+        _DEFERRED[role_name] = first
+        return True
+    _DEFERRED.pop(role_name, None)
+    return False
 
 
 def apply_retention(ctx: StageContext, role: Role) -> list[int]:
@@ -373,8 +418,9 @@ def apply_retention(ctx: StageContext, role: Role) -> list[int]:
     if keep <= 0:
         return []
     # The iterations that can hold a state of the window or one that just left it (one further back
-    # mops up after a process killed mid-delete).
-    lowest = max(INIT_ITERATION, ctx.iteration - (keep + 1) * every - 1)
+    # mops up after a process killed mid-delete); a deferred write (defer_state_write) puts states up
+    # to twice trainer_state_freq apart.
+    lowest = max(INIT_ITERATION, ctx.iteration - (keep + 1) * 2 * every - 1)
     written = [i for i in range(ctx.iteration, lowest, -1) if ctx.store.is_committed(stage_prefix(i, role.state))]
     deleted = []
     for iteration in written[keep:]:
@@ -413,7 +459,7 @@ class _StateWrite:
 
         import torch
 
-        from kfrl.models.hf_io import host_buffers
+        from kfrl.models.host_memory import host_buffers
 
         ctx, role, weights_attempt, model, optimizer, steps = self.args
         pool = host_buffers(f"trainer_state/{role.name}")
@@ -431,7 +477,10 @@ class _StateWrite:
                 if stream is not None:
                     stream.synchronize()
             self.snapshotted.set()
-            _write_state(ctx, role, weights_attempt, model, optimizer, steps, states=states)
+            # Paced while stages run beside it; the last iteration's is written at full speed (nothing
+            # runs beside it, and the run ends when it is durable).
+            _write_state(ctx, role, weights_attempt, model, optimizer, steps, states=states,
+                         paced=ctx.iteration != ctx.config.trainer.total_iterations)
         except BaseException as err:  # noqa: BLE001 - reported by wait/drain; a resume rebuilds the state
             self.error = err
         finally:
