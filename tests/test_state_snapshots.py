@@ -136,6 +136,26 @@ def test_paced_files_equal_plain_ones(tmp_path):
     assert torch.equal(loaded["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
 
 
+def test_paced_writes_wait_chunk_by_chunk_until_someone_waits_for_them(tmp_path):
+    calls = []
+    for hurry in (False, True):
+        writer = hf_io.PacedWriter(tmp_path / f"f{hurry}", chunk=1024)
+        writer._sync_range = lambda fd, offset, length, flags: calls.append((hurry, offset, length, flags))
+        if hurry:
+            hf_io.PACING_OFF.set()
+        try:
+            with writer:
+                writer.write(bytes(4096))
+        finally:
+            hf_io.PACING_OFF.clear()
+    wait = hf_io._SYNC_WAIT_BEFORE | hf_io._SYNC_WRITE | hf_io._SYNC_WAIT_AFTER
+    # Each 1 KiB chunk's write-out started as it was written; the one before it waited for.
+    assert calls == [(False, 0, 1024, hf_io._SYNC_WRITE), (False, 1024, 1024, hf_io._SYNC_WRITE),
+                     (False, 0, 1024, wait), (False, 2048, 1024, hf_io._SYNC_WRITE), (False, 1024, 1024, wait),
+                     (False, 3072, 1024, hf_io._SYNC_WRITE), (False, 2048, 1024, wait)]
+    assert (tmp_path / "fTrue").stat().st_size == 4096
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_snapshots_from_cuda_land_in_page_locked_memory():

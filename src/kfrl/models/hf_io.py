@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -111,8 +112,9 @@ class PacedWriter:
     ``PACED_CHUNK`` starts its write-out as soon as it is written and the writer waits for the chunk
     before it (``sync_file_range``), so at most two chunks of this file are ever dirty and a commit
     beside it waits for one chunk at most. The chunk is not smaller because every system call hands
-    the GIL back: with 8 MiB chunks beside busy stages the write crawled at ~0.35 GB/s. Where
-    ``sync_file_range`` does not exist (not Linux), a plain write. File-like enough for ``torch.save``."""
+    the GIL back: with 8 MiB chunks beside busy stages the write crawled at ~0.35 GB/s. While
+    ``PACING_OFF`` is set (someone waits for the write), and where ``sync_file_range`` does not exist
+    (not Linux), a plain write. File-like enough for ``torch.save``."""
 
     def __init__(self, path: str | Path, chunk: int = PACED_CHUNK) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -135,7 +137,7 @@ class PacedWriter:
         return total
 
     def _pace(self, offset: int, length: int) -> None:
-        if self._sync_range is None or not length:
+        if self._sync_range is None or not length or PACING_OFF.is_set():
             return
         self._sync_range(self._fd, offset, length, _SYNC_WRITE)
         before, before_length = self._previous
@@ -162,6 +164,8 @@ class PacedWriter:
 
 
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
+# Set while something waits for the paced writes to end (the end of a run): they go on at full speed.
+PACING_OFF = threading.Event()
 
 
 def _sync_file_range():

@@ -68,10 +68,15 @@ def drain() -> None:
     """Wait for every trainer-state write still running (a failure is reported, not raised: the state
     is rebuilt by the update that needs it), and for the weights commits written in the background (a
     failure is raised: that update is not committed)."""
+    from kfrl.models.hf_io import PACING_OFF
     from kfrl.store import settle_in_flight
 
-    for role in list(_PENDING):
-        _PENDING.pop(role).wait()
+    PACING_OFF.set()  # nothing runs beside them any more: full speed
+    try:
+        for role in list(_PENDING):
+            _PENDING.pop(role).wait()
+    finally:
+        PACING_OFF.clear()
     _DEFERRED.clear()
     settle_in_flight()
 
