@@ -131,16 +131,6 @@ def main() -> None:
     registered = torch.empty(nbytes, dtype=torch.uint8)
     registered.fill_(0)
     assert cudart.cudaHostRegister(registered.data_ptr(), nbytes, 0) == 0
-    pieces_region = torch.empty(nbytes, dtype=torch.uint8)
-    pieces_region.fill_(0)
-    for start in range(0, nbytes, piece):
-        assert cudart.cudaHostRegister(pieces_region.data_ptr() + start, min(piece, nbytes - start), 0) == 0
-    for _ in range(2):
-        measure(f"D2H copy into one region registered in {args.piece_mib} MiB pieces (spans them)",
-                copy_into(pieces_region), "held")
-    expected = device_src.view(torch.uint8)[::4096].cpu()
-    rows.append({"what": "piecewise-registered copy equals the source", "value": bool(torch.equal(pieces_region[::4096], expected))})
-    print(json.dumps(rows[-1]), flush=True)
     for _ in range(2):
         measure("D2H copy into pinned (side stream)", copy_into(pinned), "held")
         measure("D2H copy into registered (side stream)", copy_into(registered), "held")
