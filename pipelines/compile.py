@@ -32,3 +32,32 @@ def compile_pipelines(output_dir: str | Path | None = None, config=None) -> list
     finally:
         rl_iteration.CLUSTER.update(config=None, gpu_tasks=rl_iteration.GPU_TASKS)
     return written
+
+
+RUN_PIPELINES = "pipelines"  # under a run's folder: its pipelines, compiled from its own config
+
+
+def run_pipelines(store, config):
+    """The run's pipelines compiled from its own config (``compile_pipelines``: images, resources,
+    placement, credentials secret, /dev/shm, image pull secrets, no task for a stage it always skips),
+    committed in the run's ``store`` under ``pipelines/<digest>``: one commit per distinct compiled
+    spec, so the run's folder keeps which spec ran. Returns the manifest (``pipelines/<digest>``)."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    import kfp
+
+    with tempfile.TemporaryDirectory(prefix="kfrl-compile-") as tmp:
+        paths = sorted(compile_pipelines(tmp, config))
+        digest = hashlib.sha256(b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in paths)).hexdigest()
+        prefix = f"{RUN_PIPELINES}/{digest[:12]}"
+        manifest = store.manifest(prefix)
+        if manifest is None:
+            attempt = store.open_attempt(prefix)
+            with attempt.staged_dir() as folder:
+                for path in paths:
+                    shutil.copyfile(path, Path(folder) / path.name)
+            manifest = attempt.commit(info={"sha256": digest, "kfp": kfp.__version__,
+                                            "pipelines": [p.stem for p in paths]})
+    return manifest

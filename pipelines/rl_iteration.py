@@ -15,7 +15,10 @@ then ``train`` (advantage and both updates), and ``rl_iteration_single`` as one 
 and imports are loaded once per task (config ``pipeline.fuse``). A stage the algorithm does not
 need (no KL → no reference; no GAE → no critic; not ReMax → no greedy baseline; the on-policy
 shortcut → no old-logprob pass; validation only every trainer.test_freq iterations) still appears
-as a task and records why it was skipped, so one compiled pipeline serves every algorithm.
+as a task in the committed pipelines and records why it was skipped, so one compiled pipeline serves
+every algorithm. Compiled for a run (``kfrl.pipelines.compile.compile_pipelines`` with its config, as
+the cluster driver does) the stages the run skips in every iteration have no task: no pod starts for
+them, and the driver records their skips.
 ``rl_validate`` validates one policy on its own (the initial one, for trainer.val_before_train).
 """
 from kfp import dsl
@@ -36,7 +39,7 @@ from kfrl.components.stages import (
     values_op,
 )
 from kfrl.components.train import train_driver_op
-from kfrl.stages import pipeline_edges
+from kfrl.stages import STAGES, always_skipped, pipeline_edges
 
 PIPELINE_NAME = "kfrl-rl-iteration"
 FUSED_PIPELINE_NAME = "kfrl-rl-iteration-fused"
@@ -110,7 +113,19 @@ def shape_for_cluster(task, cluster, *, gpu: bool, gpus: int | None = None):
     if cluster.secret:
         kubernetes.use_secret_as_env(task, secret_name=cluster.secret,
                                      secret_key_to_env={key: key for key in cluster.secret_keys}, optional=True)
+    if cluster.image_pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(cluster.image_pull_secrets))
     return task
+
+
+def pipeline_stages(config) -> tuple[str, ...]:
+    """The stages an iteration pipeline compiled for ``config`` holds a task for: all of them without a
+    run's config (the committed pipelines, one for every algorithm), else those the run does not skip
+    in every iteration (``kfrl.stages.always_skipped``: their skip records come from the driver)."""
+    if config is None or not hasattr(config, "trainer"):
+        return STAGES
+    skipped = set(always_skipped(config))
+    return tuple(stage for stage in STAGES if stage not in skipped)
 
 
 STAGE_OPS = {"rollout": rollout_op, "gen_max": gen_max_op, "score": score_op, "old_logprob": old_logprob_op,
@@ -133,7 +148,7 @@ def build_pipelines() -> dict:
         """
         # Every edge comes from kfrl.stages.STAGE_TABLE: a stage runs after the stages it reads or needs.
         tasks = {}
-        for stage, upstream in pipeline_edges().items():
+        for stage, upstream in pipeline_edges(pipeline_stages(CLUSTER["config"])).items():
             tasks[stage] = _task(STAGE_OPS[stage](run_uri=run_uri, iteration=iteration), stage)
             for name in upstream:
                 tasks[stage].after(tasks[name])

@@ -36,9 +36,10 @@ def test_a_gpu_config_compiles_gpu_tasks_with_accelerators_tolerations_secret_an
     compile_pipelines(tmp_path, config)
     spec, kube = compiled(tmp_path, "rl_iteration")
     executors = spec["deploymentSpec"]["executors"]
+    # GRPO with a KL loss and four mini-batches: no critic (values, update_critic) and no greedy baseline
+    # (gen_max), so those stages have no task at all (the driver records their skips).
     gpu_ops = {f"exec-{stage.replace('_', '-')}-op" for stage in
-               ("rollout", "gen_max", "old_logprob", "ref_logprob", "values", "update_critic", "update_actor",
-                "validate")}
+               ("rollout", "old_logprob", "ref_logprob", "update_actor", "validate")}
     cpu_ops = {"exec-score-op", "exec-advantage-op"}
     assert gpu_ops | cpu_ops == set(executors)
     for name in gpu_ops:
@@ -76,6 +77,27 @@ def test_a_reward_model_makes_scoring_a_gpu_task(tmp_path):
     assert "accelerator" in spec["deploymentSpec"]["executors"]["exec-score-op"]["container"]["resources"]
 
 
+def dependencies(spec: dict) -> dict[str, set[str]]:
+    """Task -> the tasks it runs after, in a compiled pipeline."""
+    return {name: set(task.get("dependentTasks", [])) for name, task in spec["root"]["dag"]["tasks"].items()}
+
+
+def test_stages_the_run_always_skips_have_no_task_and_the_dag_closes_over_them(tmp_path):
+    config = load_config(GPU_CONFIG, ["actor.use_kl_loss=false", "actor.ppo_mini_batch_size=128",
+                                      "cluster.image_pull_secrets=[regcred, mirror]"])
+    compile_pipelines(tmp_path, config)
+    spec, kube = compiled(tmp_path, "rl_iteration")
+    assert dependencies(spec) == {"rollout-op": set(), "score-op": {"rollout-op"}, "advantage-op": {"score-op"},
+                                  "update-actor-op": {"advantage-op"}, "validate-op": {"update-actor-op"}}
+    for executor in kube.values():  # every pod pulls its image with the registry's secrets
+        assert [secret["secretName"] for secret in executor["imagePullSecret"]] == ["regcred", "mirror"]
+    # The fused pipelines run skips inside their tasks; without a run's config every stage has a task.
+    fused, _ = compiled(tmp_path, "rl_iteration_fused")
+    assert set(dependencies(fused)) == {"infer-op", "train-op"}
+    plain, _ = compiled(COMPILED_DIR, "rl_iteration")
+    assert len(dependencies(plain)) == len(STAGES)
+
+
 def accelerators(folder: Path, name: str) -> dict[str, int]:
     """Executor -> accelerator limit (0: none) of a compiled pipeline."""
     spec, _ = compiled(folder, name)
@@ -84,7 +106,8 @@ def accelerators(folder: Path, name: str) -> dict[str, int]:
 
 
 def test_gpu_tasks_ask_for_one_accelerator_per_process(tmp_path):
-    compile_pipelines(tmp_path, load_config(GPU_CONFIG, ["trainer.n_gpus_per_node=4"]))
+    compile_pipelines(tmp_path, load_config(GPU_CONFIG, ["trainer.n_gpus_per_node=4", "algorithm.adv_estimator=remax",
+                                                         "critic.enable=true"]))
     counts = accelerators(tmp_path, "rl_iteration")
     for stage in ("rollout", "gen_max", "old_logprob", "ref_logprob", "values", "update_critic", "update_actor",
                   "validate"):
@@ -103,7 +126,8 @@ def test_gpu_tasks_ask_for_one_accelerator_per_process(tmp_path):
 
 
 def test_multi_node_update_tasks_only_submit_the_job_on_the_cpu_image(tmp_path):
-    compile_pipelines(tmp_path, load_config(GPU_CONFIG, ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"]))
+    compile_pipelines(tmp_path, load_config(GPU_CONFIG, ["trainer.nnodes=2", "trainer.n_gpus_per_node=4",
+                                                         "algorithm.adv_estimator=gae"]))
     spec, kube = compiled(tmp_path, "rl_iteration")
     executors = spec["deploymentSpec"]["executors"]
     for name in ("exec-update-actor-op", "exec-update-critic-op"):

@@ -83,23 +83,51 @@ class FakeKfp(BaseHTTPRequestHandler):
         self._send({"run_id": f"run-{len(FakeKfp.posted)}", "experiment_id": "exp-1", **body})
 
 
-def test_cluster_runner_submits_compiled_pipeline_with_arguments():
+def test_cluster_runner_submits_the_runs_own_compiled_pipeline_and_records_the_skips(tmp_path):
+    from kfrl.run import Run
+    from kfrl.stages import STAGES, always_skipped
+    from kfrl.stages.prepare import prepare_run
+    from kfrl.store import Store
+
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeKfp)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        cfg = load_config(None, ["pipeline.runner=kfp", f"pipeline.host=http://127.0.0.1:{server.server_address[1]}"])
+        cfg = load_config(Path("configs/demo.yaml"), [
+            "pipeline.runner=kfp", f"pipeline.host=http://127.0.0.1:{server.server_address[1]}",
+            f"store.uri={tmp_path}", "cluster.image=registry.example/kfrl-gpu:7", "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=8", "rollout.n=2"])
+        run_uri = str(tmp_path / "demo" / "r1")
+        prepare_run(Store(run_uri), cfg)
+        skipped = always_skipped(cfg)
+        assert set(skipped) == {"gen_max", "old_logprob", "ref_logprob", "values", "update_critic"}
         runner = ClusterKfpRunner(cfg)
-        runner.run("s3://bucket/runs/demo/r1", 3, Path("unused.log"))
+        runner.run(run_uri, 3, Path("unused.log"))
         path, body = [p for p in FakeKfp.posted if p[0] == "/apis/v2beta1/runs"][-1]
-        assert body["runtime_config"]["parameters"] == {"run_uri": "s3://bucket/runs/demo/r1", "iteration": 3}
-        assert "kfrl-rl-iteration" in json.dumps(body["pipeline_spec"])
+        assert body["runtime_config"]["parameters"] == {"run_uri": run_uri, "iteration": 3}
+        spec = body["pipeline_spec"]
+        assert spec["pipelineInfo"]["name"] == "kfrl-rl-iteration"
+        executors = spec["deploymentSpec"]["executors"]
+        assert executors["exec-rollout-op"]["container"]["image"] == "registry.example/kfrl-gpu:7"  # the run's shape
+        assert set(executors) == {f"exec-{s.replace('_', '-')}-op" for s in STAGES if s not in skipped}
+        # What was submitted is committed in the run's folder; the skipped stages' records are in the store.
+        run = Run.at(run_uri)
+        (digest,) = [p.name for p in (Path(run_uri) / "pipelines").iterdir()]
+        manifest = run.store.manifest(f"pipelines/{digest}")
+        assert yaml.safe_load(run.store.read_file(manifest, "rl_iteration.yaml")) == spec
+        assert {"rl_iteration.yaml", "rl_train.yaml", "rl_validate.yaml"} <= set(manifest.names())
+        for stage in skipped:
+            assert run.manifest(stage, 3).info["skipped"]
+        assert not run.is_committed("rollout", 3)  # the cluster runs the rest
+        runner.run(run_uri, 4, Path("unused.log"))
+        assert [p.name for p in (Path(run_uri) / "pipelines").iterdir()] == [digest]  # compiled once
         FakeKfp.final_state = "FAILED"
         try:
-            runner.run("s3://bucket/runs/demo/r1", 4, Path("unused.log"))
+            runner.run(run_uri, 5, Path("unused.log"))
             raise AssertionError("a failed KFP run must raise")
         except IterationFailed as err:
             assert "FAILED" in str(err)
     finally:
+        FakeKfp.final_state = "SUCCEEDED"
         server.shutdown()
 
 

@@ -390,6 +390,8 @@ class ClusterConfig(Section):
     # Images (docker/): the GPU image runs GPU stages, the CPU image the driver, scoring and advantage.
     image: str = "ghcr.io/kfrl/kfrl-gpu:0.1.0"
     cpu_image: str = "ghcr.io/kfrl/kfrl-cpu:0.1.0"
+    # Kubernetes secrets (type docker-registry) every task's pod pulls its image with: a private registry.
+    image_pull_secrets: list[str] = []
     # A Kubernetes secret whose keys become environment variables of every task (S3 and MLflow
     # credentials); "" = none. Keys missing from the secret are skipped.
     secret: str = ""

@@ -90,7 +90,12 @@ class LocalKfpRunner:
 
 
 class ClusterKfpRunner:
-    """A KFP cluster: one pipeline run per iteration through ``kfp.Client``, then wait for it."""
+    """A KFP cluster: one pipeline run per iteration through ``kfp.Client``, then wait for it.
+
+    What it submits is the run's own pipelines, compiled from its config once and committed in its
+    folder (``kfrl.pipelines.compile.run_pipelines``): shaped for the cluster by the ``cluster``
+    section, with no task for a stage the algorithm always skips (their skip records are committed
+    here, before the run is submitted: no pod starts for them)."""
 
     name = "kfp"
 
@@ -100,6 +105,17 @@ class ClusterKfpRunner:
                              "or $KF_PIPELINES_ENDPOINT")
         self.config = config
         self._client = None
+        self._pipelines: dict[str, object] = {}  # run URI -> the manifest of its compiled pipelines
+
+    def pipelines(self, run_uri: str):
+        """The manifest of the run's compiled pipelines (``pipelines/<digest>`` in its folder)."""
+        if run_uri not in self._pipelines:
+            from kfrl.pipelines.compile import run_pipelines
+            from kfrl.run import Run
+
+            self._pipelines[run_uri] = run_pipelines(Run.at(run_uri, **self.config.store.options()).store,
+                                                     self.config)
+        return self._pipelines[run_uri]
 
     @property
     def client(self):
@@ -108,15 +124,26 @@ class ClusterKfpRunner:
         return self._client
 
     def run(self, run_uri: str, iteration: int, log_path: Path, pipeline: str = "iteration") -> None:
-        from kfrl.pipelines.compile import compiled_path
-        from kfrl.pipelines.rl_iteration import pipeline_for
+        import tempfile
 
-        result = self.client.create_run_from_pipeline_package(
-            str(compiled_path(pipeline_for(self.config.pipeline.fuse, pipeline))),
-            arguments={"run_uri": run_uri, "iteration": iteration},
-            run_name=f"{self.config.trainer.experiment_name}-{Path(run_uri).name}-{pipeline}-{iteration}",
-            experiment_name=self.config.trainer.project_name, enable_caching=False,
-        )
+        from kfrl.pipelines.rl_iteration import pipeline_for
+        from kfrl.run import Run
+        from kfrl.stages import always_skipped, run_stage
+
+        name = pipeline_for(self.config.pipeline.fuse, pipeline)
+        manifest = self.pipelines(run_uri)
+        if name == "rl_iteration":  # the per-stage pipeline has no task for these
+            for stage in always_skipped(self.config):
+                run_stage(stage, run_uri, iteration)
+        package = Run.at(run_uri, **self.config.store.options()).store.read_file(manifest, f"{name}.yaml")
+        with tempfile.TemporaryDirectory(prefix="kfrl-submit-") as tmp:
+            path = Path(tmp) / f"{name}.yaml"
+            path.write_bytes(package)
+            result = self.client.create_run_from_pipeline_package(
+                str(path), arguments={"run_uri": run_uri, "iteration": iteration},
+                run_name=f"{self.config.trainer.experiment_name}-{Path(run_uri).name}-{pipeline}-{iteration}",
+                experiment_name=self.config.trainer.project_name, enable_caching=False,
+            )
         run = self.client.wait_for_run_completion(result.run_id, timeout=self.config.pipeline.run_timeout_s)
         state = str(getattr(run, "state", "")).upper()
         if "SUCCEEDED" not in state:
