@@ -164,10 +164,12 @@ def test_compile_command_takes_a_config_and_an_image(tmp_path):
 
 
 class FakeKfp:
-    """Just enough of KFP's v2beta1 REST API to take a run or a recurring run; records every request."""
+    """Just enough of KFP's v2beta1 REST API to take a run or recurring runs (create, list, delete);
+    records every request."""
 
     def __init__(self):
         self.requests: list[dict] = []
+        self.recurring: dict[str, dict] = {}  # id -> the recurring run as created
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -182,8 +184,15 @@ class FakeKfp:
                 path = self.path.split("?")[0]
                 if path.endswith("/experiments"):
                     answer = {"experiments": []} if method == "GET" else {"experiment_id": "exp-1", **(body or {})}
-                elif path.endswith("/recurringruns"):
-                    answer = {**body, "recurring_run_id": "rr-1"}
+                elif path.endswith("/recurringruns") and method == "POST":
+                    answer = {**body, "recurring_run_id": f"rr-{len(fake.requests)}",
+                              "created_at": "2026-12-04T02:00:00Z", "status": "ENABLED"}
+                    fake.recurring[answer["recurring_run_id"]] = answer
+                elif path.endswith("/recurringruns"):  # GET: one page, all of them
+                    answer = {"recurring_runs": list(fake.recurring.values()), "total_size": len(fake.recurring)}
+                elif "/recurringruns/" in path and method == "DELETE":
+                    fake.recurring.pop(path.rsplit("/", 1)[1])
+                    answer = {}
                 elif path.endswith("/runs"):
                     answer = {**body, "run_id": "run-1"}
                 else:
@@ -201,6 +210,9 @@ class FakeKfp:
             def do_POST(self):
                 self._answer("POST")
 
+            def do_DELETE(self):
+                self._answer("DELETE")
+
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -208,6 +220,9 @@ class FakeKfp:
     def posted(self, suffix: str) -> dict:
         (request,) = [r for r in self.requests if r["method"] == "POST" and r["path"].split("?")[0].endswith(suffix)]
         return request
+
+    def deleted(self) -> list[str]:
+        return [r["path"].rsplit("/", 1)[1] for r in self.requests if r["method"] == "DELETE"]
 
 
 @pytest.fixture()
@@ -223,7 +238,8 @@ def test_schedule_creates_a_nightly_recurring_run_of_the_training_pipeline(fake_
                                  fake_kfp.url, "--namespace", "team-a", "--promote-alias", "champion", "-n", "50",
                                  "model.path=models:/kfrl-gsm8k-policy@champion"])
     assert result.exit_code == 0, result.output
-    assert "rr-1" in result.output
+    (recurring_run_id,) = fake_kfp.recurring
+    assert f"scheduled recurring run {recurring_run_id}" in result.output
     assert fake_kfp.posted("/experiments")["body"] == {"display_name": "kfrl-gsm8k", "namespace": "team-a"}
     request = fake_kfp.posted("/recurringruns")
     body = request["body"]
@@ -252,6 +268,31 @@ def test_submit_starts_one_training_run(fake_kfp):
     assert params["run_id"] == "resume-me" and yaml.safe_load(params["config_yaml"])["store"]["uri"] == "s3://bucket/runs"
     spec = body["pipeline_spec"].get("pipeline_spec", body["pipeline_spec"])
     assert spec["pipelineInfo"]["name"] == "kfrl-rl-train"
+
+
+def test_scheduling_the_same_name_again_replaces_the_recurring_run_and_list_and_delete_work(fake_kfp):
+    common = ["--config", str(GPU_CONFIG), "--host", fake_kfp.url]
+    first = runner.invoke(app, ["schedule", "--cron", "0 2 * * *", *common])
+    assert first.exit_code == 0, first.output
+    (old_id,) = fake_kfp.recurring
+    again = runner.invoke(app, ["schedule", "--cron", "30 3 * * *", *common, "-n", "40"])
+    assert again.exit_code == 0, again.output
+    (new_id,) = fake_kfp.recurring  # one nightly run, not two
+    assert new_id != old_id and fake_kfp.deleted() == [old_id] and f"replaced {old_id}" in again.output
+    assert fake_kfp.recurring[new_id]["trigger"] == {"cron_schedule": {"cron": "0 30 3 * * *"}}
+    other = runner.invoke(app, ["schedule", "--cron", "0 4 * * 0", "--name", "weekly", *common])
+    assert other.exit_code == 0 and len(fake_kfp.recurring) == 2  # another name is another schedule
+    listed = runner.invoke(app, ["schedule", "--list", *common])
+    assert listed.exit_code == 0, listed.output
+    lines = [line.split() for line in listed.output.strip().splitlines()]
+    assert lines[0][:3] == ["NAME", "ID", "CRON"]
+    assert sorted(line[0] for line in lines[1:]) == ["grpo-qwen2.5-0.5b-nightly", "weekly"]
+    assert ["grpo-qwen2.5-0.5b-nightly", new_id, "30", "3", "*", "*", "*"] == lines[1][:7] or \
+        ["grpo-qwen2.5-0.5b-nightly", new_id, "30", "3", "*", "*", "*"] == lines[2][:7]
+    deleted = runner.invoke(app, ["schedule", "--delete", "weekly", *common])
+    assert deleted.exit_code == 0 and list(fake_kfp.recurring) == [new_id]
+    missing = runner.invoke(app, ["schedule", "--delete", "weekly", *common])
+    assert missing.exit_code == 2 and "no recurring run named 'weekly'" in missing.output
 
 
 def test_bad_cron_is_refused():

@@ -276,7 +276,7 @@ def submit(
 
 @app.command()
 def schedule(
-    cron: str = typer.Option(..., "--cron", help="when, as crontab's five fields, e.g. '0 2 * * *' (02:00 daily)"),
+    cron: Optional[str] = typer.Option(None, "--cron", help="when, as crontab's five fields, e.g. '0 2 * * *' (02:00 daily)"),
     overrides: List[str] = typer.Argument(None, help="config overrides, e.g. model.path=models:/name@champion"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file"),
     name: Optional[str] = typer.Option(None, "--name", help="the recurring run's name (default <experiment>-nightly)"),
@@ -286,25 +286,47 @@ def schedule(
     host: Optional[str] = typer.Option(None, "--host", help="KFP API URL (pipeline.host; default $KF_PIPELINES_ENDPOINT)"),
     namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubeflow profile namespace (multi-user KFP)"),
     promote_alias: str = typer.Option("", "--promote-alias", help="after each run, move this MLflow alias if better"),
+    list_: bool = typer.Option(False, "--list", help="list the recurring runs of the training pipeline"),
+    delete: Optional[str] = typer.Option(None, "--delete", help="delete the recurring run(s) of this name"),
 ):
     """A KFP recurring run of the training pipeline: each run is a new kfrl run (e.g. continuing from
-    model.path=models:/<name>@champion), at most one at a time, missed runs not caught up."""
-    from kfrl.submit import kfp_cron, pipeline_arguments, schedule as schedule_runs
+    model.path=models:/<name>@champion), at most one at a time, missed runs not caught up. Scheduling
+    a name again replaces its recurring run; --list shows them, --delete NAME removes one."""
+    from kfrl.submit import delete_schedule, kfp_cron, pipeline_arguments, schedule as schedule_runs, schedule_rows
 
-    try:
-        kfp_cron(cron)
-    except ValueError as err:
-        _fail(str(err))
+    if sum([bool(cron), list_, delete is not None]) != 1:
+        _fail("give one of --cron (schedule), --list or --delete NAME")
+    if cron:
+        try:
+            kfp_cron(cron)
+        except ValueError as err:
+            _fail(str(err))
     cfg = _cluster_config(config, overrides, store, tracking_uri, host, namespace)
-    arguments = pipeline_arguments(cfg, overrides=[], iterations=iterations, promote_alias=promote_alias)
+    where = f"KFP at {cfg.pipeline.host or os.environ.get('KF_PIPELINES_ENDPOINT')}"
     try:
-        job = schedule_runs(cfg, arguments, cron=cron, name=name or f"{cfg.trainer.experiment_name}-nightly")
+        if list_:
+            rows = schedule_rows(cfg)
+            typer.echo(f"{'NAME':<32} {'ID':<38} {'CRON':<16} {'STATUS':<10} CREATED")
+            for row in rows:
+                typer.echo(f"{row['name']:<32} {row['id']:<38} {row['cron']:<16} {row['status']:<10} {row['created']}")
+            return
+        if delete is not None:
+            ids = delete_schedule(cfg, delete)
+            if not ids:
+                _fail(f"no recurring run named {delete!r} of the training pipeline on {where}; "
+                      "`kfrl schedule --list` shows them")
+            typer.echo(f"deleted recurring run {', '.join(ids)} ({delete})")
+            return
+        arguments = pipeline_arguments(cfg, overrides=[], iterations=iterations, promote_alias=promote_alias)
+        job, replaced = schedule_runs(cfg, arguments, cron=cron, name=name or f"{cfg.trainer.experiment_name}-nightly")
+    except typer.Exit:
+        raise
     except ValueError as err:
         _fail(str(err))
     except Exception as err:  # noqa: BLE001 - connection and API errors: one line
-        _fail(f"scheduling on KFP at {cfg.pipeline.host or os.environ.get('KF_PIPELINES_ENDPOINT')}: "
-              f"{type(err).__name__}: {err}", code=EXIT_FAILED)
-    typer.echo(f"scheduled recurring run {job} ({cron}, pipeline kfrl-rl-train)")
+        _fail(f"scheduling on {where}: {type(err).__name__}: {err}", code=EXIT_FAILED)
+    also = f"; replaced {', '.join(replaced)}" if replaced else ""
+    typer.echo(f"scheduled recurring run {job} ({cron}, pipeline kfrl-rl-train{also})")
 
 
 def main() -> None:

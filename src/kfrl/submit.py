@@ -57,12 +57,15 @@ def submit(config: Config, arguments: dict, *, run_name: str) -> str:
     return result.run_id
 
 
-def schedule(config: Config, arguments: dict, *, cron: str, name: str) -> str:
-    """A KFP recurring run of rl_train (one run at a time, no catch-up of missed nights); returns its id."""
+def schedule(config: Config, arguments: dict, *, cron: str, name: str) -> tuple[str, list[str]]:
+    """A KFP recurring run of rl_train (one run at a time, no catch-up of missed nights) called ``name``:
+    the recurring runs of rl_train already called so are replaced (the new one is created first, so a
+    failure leaves the old schedule running). Returns (its id, the ids it replaced)."""
     from kfrl.runners import kfp_client
 
     client = kfp_client(config.pipeline)
     experiment = client.create_experiment(config.trainer.project_name, namespace=config.pipeline.namespace or None)
+    replaced = [r.recurring_run_id for r in training_schedules(client, config) if r.display_name == name]
     with tempfile.TemporaryDirectory(prefix="kfrl-compile-") as tmp:
         package = compiled_train_pipeline(config, Path(tmp))
         job = client.create_recurring_run(
@@ -70,4 +73,52 @@ def schedule(config: Config, arguments: dict, *, cron: str, name: str) -> str:
             max_concurrency=1, no_catchup=True, params=arguments, pipeline_package_path=str(package),
             enable_caching=False,
             description=f"kfrl: {config.trainer.experiment_name} on the schedule {cron!r}")
-    return job.recurring_run_id
+    for recurring_run_id in replaced:
+        client.delete_recurring_run(recurring_run_id)
+    return job.recurring_run_id, replaced
+
+
+def training_schedules(client, config: Config) -> list:
+    """The recurring runs of the training pipeline (rl_train) in the config's namespace."""
+    from kfrl.pipelines.rl_iteration import TRAIN_PIPELINE_NAME
+
+    found, token = [], ""
+    while True:
+        page = client.list_recurring_runs(page_token=token, page_size=100,
+                                          namespace=config.pipeline.namespace or None)
+        for recurring in page.recurring_runs or []:
+            spec = recurring.pipeline_spec or {}
+            spec = spec.get("pipeline_spec", spec)
+            if spec.get("pipelineInfo", {}).get("name") == TRAIN_PIPELINE_NAME:
+                found.append(recurring)
+        token = page.next_page_token
+        if not token:
+            return found
+
+
+def schedule_rows(config: Config) -> list[dict]:
+    """One row per recurring run of the training pipeline: name, id, cron (crontab's five fields),
+    status, created."""
+    from kfrl.runners import kfp_client
+
+    rows = []
+    for recurring in training_schedules(kfp_client(config.pipeline), config):
+        trigger = recurring.trigger
+        cron_schedule = getattr(trigger, "cron_schedule", None) if trigger is not None else None
+        cron = getattr(cron_schedule, "cron", "") or ""
+        fields = cron.split()
+        rows.append({"name": recurring.display_name, "id": recurring.recurring_run_id,
+                     "cron": " ".join(fields[1:] if len(fields) == 6 else fields) or "-",
+                     "status": str(recurring.status or recurring.mode or "-"), "created": str(recurring.created_at or "-")})
+    return sorted(rows, key=lambda row: row["name"])
+
+
+def delete_schedule(config: Config, name: str) -> list[str]:
+    """Delete the recurring runs of the training pipeline called ``name``; returns their ids."""
+    from kfrl.runners import kfp_client
+
+    client = kfp_client(config.pipeline)
+    ids = [r.recurring_run_id for r in training_schedules(client, config) if r.display_name == name]
+    for recurring_run_id in ids:
+        client.delete_recurring_run(recurring_run_id)
+    return ids
