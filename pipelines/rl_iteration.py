@@ -196,13 +196,13 @@ def build_pipelines() -> dict:
                   "kfrl-rl-iteration run per iteration through this cluster's KFP API, metrics and model versions to "
                   "MLflow (as `kfrl train` does); optionally promote the result to an MLflow alias. Start it from the "
                   "KFP UI or on a schedule (`kfrl schedule`).")
-    def rl_train(config_yaml: str = "", model_path: str = "", train_files: str = "", val_files: str = "",
+    def rl_train(config_uri: str = "", model_path: str = "", train_files: str = "", val_files: str = "",
                  store_uri: str = "", tracking_uri: str = "", experiment_name: str = "", iterations: int = 0,
                  run_id: str = "", overrides: str = "", promote_alias: str = "", runner: str = "kfp") -> str:
         """A whole training run.
 
         Args:
-            config_yaml: A kfrl config as YAML text (the contents of a configs/*.yaml file); empty = the defaults. The fields below override it.
+            config_uri: A kfrl config YAML in the store, s3://bucket/prefix/configs/<name>.yaml (kfrl submit and kfrl schedule put it there and fill this in; or copy a configs/*.yaml file there). Empty = the defaults. The fields below override it.
             model_path: The initial policy: an HF directory in the store (s3://...), or a registered version, models:/<name>@champion or models:/<name>/<version>. Empty = the config's model.path.
             train_files: Training data, Parquet in veRL's RL-dataset schema (s3://.../train.parquet). Empty = the config's.
             val_files: Validation data (s3://.../test.parquet). Empty = the config's.
@@ -215,7 +215,7 @@ def build_pipelines() -> dict:
             promote_alias: After training, move this MLflow alias (e.g. champion) to the new version when its validation metric is better; empty = do not promote.
             runner: How iterations run: kfp (runs on this cluster), local or inline (inside this task; for tests).
         """
-        driver = train_driver_op(config_yaml=config_yaml, model_path=model_path, train_files=train_files,
+        driver = train_driver_op(config_uri=config_uri, model_path=model_path, train_files=train_files,
                                  val_files=val_files, store_uri=store_uri, tracking_uri=tracking_uri,
                                  experiment_name=experiment_name, iterations=iterations, run_id=run_id,
                                  overrides=overrides, promote_alias=promote_alias, runner=runner,

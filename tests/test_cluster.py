@@ -189,7 +189,7 @@ class FakeKfp:
                               "created_at": "2026-12-04T02:00:00Z", "status": "ENABLED"}
                     fake.recurring[answer["recurring_run_id"]] = answer
                 elif path.endswith("/recurringruns"):  # GET: one page, all of them
-                    answer = {"recurring_runs": list(fake.recurring.values()), "total_size": len(fake.recurring)}
+                    answer = {"recurringRuns": list(fake.recurring.values()), "totalSize": len(fake.recurring)}
                 elif "/recurringruns/" in path and method == "DELETE":
                     fake.recurring.pop(path.rsplit("/", 1)[1])
                     answer = {}
@@ -233,10 +233,20 @@ def fake_kfp(monkeypatch):
     fake.server.shutdown()
 
 
-def test_schedule_creates_a_nightly_recurring_run_of_the_training_pipeline(fake_kfp):
+def sent_config(uri: str) -> dict:
+    """The config a run parameter points at, read back from the store."""
+    import posixpath
+
+    from kfrl.store import Store
+
+    folder, name = posixpath.split(uri)
+    return yaml.safe_load(Store(folder).read_text(name))
+
+
+def test_schedule_creates_a_nightly_recurring_run_of_the_training_pipeline(fake_kfp, s3_bucket):
     result = runner.invoke(app, ["schedule", "--cron", "0 2 * * *", "--config", str(GPU_CONFIG), "--host",
                                  fake_kfp.url, "--namespace", "team-a", "--promote-alias", "champion", "-n", "50",
-                                 "model.path=models:/kfrl-gsm8k-policy@champion"])
+                                 "--store", f"s3://{s3_bucket}/runs", "model.path=models:/kfrl-gsm8k-policy@champion"])
     assert result.exit_code == 0, result.output
     (recurring_run_id,) = fake_kfp.recurring
     assert f"scheduled recurring run {recurring_run_id}" in result.output
@@ -253,25 +263,59 @@ def test_schedule_creates_a_nightly_recurring_run_of_the_training_pipeline(fake_
     assert driver["image"] == "ghcr.io/kfrl/kfrl-cpu:0.1.0"  # compiled for the cluster from the config
     params = body["runtime_config"]["parameters"]
     assert params["promote_alias"] == "champion" and params["iterations"] == 50 and params["runner"] == "kfp"
-    sent = yaml.safe_load(params["config_yaml"])
+    # The config travels as a one-line URI of a YAML object in the store (the KFP UI's form shows it).
+    assert params["config_uri"].startswith(f"s3://{s3_bucket}/runs/configs/grpo-qwen2.5-0.5b-")
+    sent = sent_config(params["config_uri"])
     assert sent["model"]["path"] == "models:/kfrl-gsm8k-policy@champion"  # each night starts from the champion
     assert sent["trainer"]["experiment_name"] == "grpo-qwen2.5-0.5b"
 
 
-def test_submit_starts_one_training_run(fake_kfp):
-    result = runner.invoke(app, ["submit", "--config", str(GPU_CONFIG), "--host", fake_kfp.url, "--store",
-                                 "s3://bucket/runs", "--run-id", "resume-me"])
+def test_submit_starts_one_training_run(fake_kfp, s3_bucket):
+    common = ["submit", "--config", str(GPU_CONFIG), "--host", fake_kfp.url, "--store", f"s3://{s3_bucket}/runs"]
+    result = runner.invoke(app, [*common, "--run-id", "resume-me", "--tracking-uri", "http://alice:hunter22@mlflow:5000"])
     assert result.exit_code == 0, result.output
     assert "run-1" in result.output
     body = fake_kfp.posted("/runs")["body"]
     params = body["runtime_config"]["parameters"]
-    assert params["run_id"] == "resume-me" and yaml.safe_load(params["config_yaml"])["store"]["uri"] == "s3://bucket/runs"
+    assert params["run_id"] == "resume-me"
+    sent = sent_config(params["config_uri"])
+    assert sent["store"]["uri"] == f"s3://{s3_bucket}/runs" and sent["tracking"]["uri"] == "http://***@mlflow:5000"
+    assert "hunter22" not in json.dumps(body)
     spec = body["pipeline_spec"].get("pipeline_spec", body["pipeline_spec"])
     assert spec["pipelineInfo"]["name"] == "kfrl-rl-train"
+    # The same config again: the same object in the store.
+    again = runner.invoke(app, [*common, "--tracking-uri", "http://alice:hunter22@mlflow:5000"])
+    assert again.exit_code == 0
+    assert [r for r in fake_kfp.requests if r["method"] == "POST" and r["path"].endswith("/runs")][-1][
+        "body"]["runtime_config"]["parameters"]["config_uri"] == params["config_uri"]
 
 
-def test_scheduling_the_same_name_again_replaces_the_recurring_run_and_list_and_delete_work(fake_kfp):
-    common = ["--config", str(GPU_CONFIG), "--host", fake_kfp.url]
+def test_submit_refuses_what_the_cluster_cannot_run_before_anything_is_sent(fake_kfp, tmp_path):
+    result = runner.invoke(app, ["submit", "--config", "configs/demo.yaml", "--host", fake_kfp.url,
+                                 "--store", str(tmp_path / "store")])
+    assert result.exit_code == 2
+    assert "cannot see" in result.output and "builtin demo model" in result.output
+    assert not fake_kfp.requests and not (tmp_path / "store").exists()
+    # kfrl train --runner kfp: the same refusal before anything is written; --dry-run warns.
+    refused = runner.invoke(app, ["train", "--config", "configs/demo.yaml", "--runner", "kfp", "--store",
+                                  str(tmp_path / "store"), "pipeline.host=http://127.0.0.1:9"])
+    assert refused.exit_code == 2 and "cannot see" in refused.output and not (tmp_path / "store").exists()
+    dry = runner.invoke(app, ["train", "--config", "configs/demo.yaml", "--runner", "kfp", "--dry-run", "--strict"])
+    assert dry.exit_code == 2 and "pipeline.runner=kfp: store.uri" in dry.output
+
+
+def test_the_driver_reads_the_config_from_its_uri_and_names_a_missing_one(tmp_path):
+    from kfrl.stages.kfp_entry import read_config_text
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "a.yaml").write_text("trainer:\n  experiment_name: x\n")
+    assert read_config_text(str(tmp_path / "configs" / "a.yaml")) == "trainer:\n  experiment_name: x\n"
+    with pytest.raises(FileNotFoundError, match="no such config in the store"):
+        read_config_text(str(tmp_path / "configs" / "b.yaml"))
+
+
+def test_scheduling_the_same_name_again_replaces_the_recurring_run_and_list_and_delete_work(fake_kfp, s3_bucket):
+    common = ["--config", str(GPU_CONFIG), "--host", fake_kfp.url, "--store", f"s3://{s3_bucket}/runs"]
     first = runner.invoke(app, ["schedule", "--cron", "0 2 * * *", *common])
     assert first.exit_code == 0, first.output
     (old_id,) = fake_kfp.recurring
@@ -310,11 +354,13 @@ def test_the_training_pipeline_drives_a_run_through_the_local_runner_as_kfrl_tra
     small = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=16",
              "trainer.log_generations=0", "trainer.val_before_train=false", "pipeline.fuse=all",
              f"pipeline.pipeline_root={tmp_path / 'inner'}", "trainer.experiment_name=pipe"]
-    config_yaml = Path("configs/demo.yaml").read_text()
+    config_uri = tmp_path / "pipe-store" / "configs" / "demo.yaml"
+    config_uri.parent.mkdir(parents=True)
+    config_uri.write_text(Path("configs/demo.yaml").read_text())
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "outer"),
                raise_on_error=True)
     try:
-        task = PIPELINES["rl_train"](config_yaml=config_yaml, store_uri=str(tmp_path / "pipe-store"),
+        task = PIPELINES["rl_train"](config_uri=str(config_uri), store_uri=str(tmp_path / "pipe-store"),
                                      tracking_uri=mlflow_server, iterations=2, run_id="from-kfp",
                                      overrides=" ".join(small), runner="local")
     finally:

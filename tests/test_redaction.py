@@ -104,13 +104,14 @@ def test_credentials_redacted_on_the_way_are_not_taken_for_a_user(monkeypatch):
     assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "from-the-secret"
 
 
-def test_kfp_run_parameters_carry_no_credentials():
-    from kfrl.submit import pipeline_arguments
+def test_kfp_run_parameters_and_the_submitted_config_carry_no_credentials():
+    from kfrl.submit import pipeline_arguments, submitted_config_text
 
     config = load_config(Path(REPO / "configs/demo.yaml"), ["tracking.uri=http://alice:hunter22@h:5000"])
     arguments = pipeline_arguments(config, overrides=["tracking.uri=http://alice:hunter22@h:5000"], iterations=3)
     assert "hunter22" not in str(arguments) and "alice" not in str(arguments)
-    assert "http://***@h:5000" in arguments["config_yaml"]
+    text = submitted_config_text(config)
+    assert "http://***@h:5000" in text and "hunter22" not in text
 
 
 def test_log_lines_of_any_logger_are_redacted():

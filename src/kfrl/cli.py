@@ -247,6 +247,21 @@ def _cluster_config(config, overrides, store, tracking_uri, host, namespace):
     return _load(config, extra, store, tracking_uri, None)
 
 
+def _upload_for_cluster(cfg) -> str:
+    """The config in the store for the cluster (``kfrl.submit.upload_config``), after refusing (exit 2)
+    what the cluster cannot run."""
+    from kfrl.store import StoreError
+    from kfrl.submit import cluster_input_problems, upload_config
+
+    problems = cluster_input_problems(cfg)
+    if problems:
+        _fail("; ".join(problems))
+    try:
+        return upload_config(cfg)
+    except StoreError as err:
+        _fail(f"putting the config in the store: {err}", code=EXIT_FAILED)
+
+
 @app.command()
 def submit(
     overrides: List[str] = typer.Argument(None, help="config overrides, e.g. model.path=models:/name@champion"),
@@ -265,7 +280,7 @@ def submit(
 
     cfg = _cluster_config(config, overrides, store, tracking_uri, host, namespace)
     arguments = pipeline_arguments(cfg, overrides=[], iterations=iterations, run_id=run_id,
-                                   promote_alias=promote_alias)
+                                   promote_alias=promote_alias, config_uri=_upload_for_cluster(cfg))
     try:
         kfp_run = submit_run(cfg, arguments, run_name=f"{cfg.trainer.experiment_name}-train")
     except Exception as err:  # noqa: BLE001 - connection and API errors: one line
@@ -317,7 +332,8 @@ def schedule(
                       "`kfrl schedule --list` shows them")
             typer.echo(f"deleted recurring run {', '.join(ids)} ({delete})")
             return
-        arguments = pipeline_arguments(cfg, overrides=[], iterations=iterations, promote_alias=promote_alias)
+        arguments = pipeline_arguments(cfg, overrides=[], iterations=iterations, promote_alias=promote_alias,
+                                       config_uri=_upload_for_cluster(cfg))
         job, replaced = schedule_runs(cfg, arguments, cron=cron, name=name or f"{cfg.trainer.experiment_name}-nightly")
     except typer.Exit:
         raise

@@ -274,6 +274,12 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     # Credentials in the tracking URI go to MLflow's variables: the config is stored, printed and logged.
     config = config.model_copy(update={"tracking": config.tracking.model_copy(
         update={"uri": credentials_to_environment(config.tracking.uri)})})
+    if config.pipeline.runner == "kfp":  # the cluster's pods must see the store and load the model
+        from kfrl.submit import cluster_input_problems
+
+        problems = cluster_input_problems(config)
+        if problems:
+            raise TrainingRefused("pipeline.runner=kfp: " + "; ".join(problems))
     check_reachable(config.tracking.uri)  # seconds, before anything is written
     root = Store(config.store.uri, **config.store.options())
     root.ping()

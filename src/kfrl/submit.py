@@ -1,7 +1,8 @@
 """`kfrl submit` and `kfrl schedule`: the training pipeline (rl_train) on a KFP cluster, once or on a
 cron schedule, from a laptop or CI. The pipeline is compiled for the cluster from the config's
-``cluster`` section and the config itself travels as the ``config_yaml`` parameter, so the run the
-cluster executes is the run `kfrl train --config ...` would be."""
+``cluster`` section; the config itself is put in the store (``configs/<experiment>-<digest>.yaml``,
+credentials redacted) and travels as its URI, the ``config_uri`` parameter, so the run the cluster
+executes is the run `kfrl train --config ...` would be, and the KFP UI shows a one-line URI."""
 from __future__ import annotations
 
 import shlex
@@ -21,20 +22,57 @@ def kfp_cron(expression: str) -> str:
     raise ValueError(f"--cron {expression!r}: give five fields (minute hour day month weekday), e.g. '0 2 * * *'")
 
 
-def pipeline_arguments(config: Config, *, overrides: list[str], iterations: int | None, run_id: str = "",
-                       promote_alias: str = "") -> dict:
-    """The rl_train parameters that reproduce this config on the cluster. The config goes whole (YAML)
-    with the execution keys the cluster decides left to the pipeline (runner kfp, the in-cluster API).
-    Credentials are redacted: a run parameter is visible to everyone who can read the pipeline, so
-    they reach the cluster's tasks through ``cluster.secret`` only."""
-    from kfrl.redaction import redact
+CONFIGS = "configs"  # under the store's root: configs submitted to the cluster
+
+
+def submitted_config_text(config: Config) -> str:
+    """The config as the cluster gets it: YAML, credentials redacted (a run parameter and the store are
+    visible to everyone who can read them; credentials reach the tasks through ``cluster.secret``
+    only), the execution keys the cluster decides left out (runner kfp, the in-cluster API)."""
+    import yaml
 
     tree = config.redacted_tree()
     tree["pipeline"].pop("runner", None)
     tree["pipeline"].pop("host", None)
-    import yaml
+    return yaml.safe_dump(tree, sort_keys=False)
 
-    return {"config_yaml": yaml.safe_dump(tree, sort_keys=False), "overrides": redact(" ".join(shlex.quote(o) for o in overrides)),
+
+def upload_config(config: Config) -> str:
+    """``submitted_config_text`` in the store at ``configs/<experiment>-<sha256[:12]>.yaml`` (the same
+    config, the same object: submitting again writes nothing); returns its URI."""
+    import hashlib
+
+    from kfrl.store import Store
+
+    text = submitted_config_text(config)
+    name = f"{CONFIGS}/{config.trainer.experiment_name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    store = Store(config.store.uri, **config.store.options())
+    if not store.exists(name):
+        store.write_text(name, text)
+    return store.url(name)
+
+
+def cluster_input_problems(config: Config) -> list[str]:
+    """What makes a config unfit to run on a cluster, each a sentence a user can act on: a store the
+    cluster's pods cannot see, the builtin demo model."""
+    problems = []
+    if "://" not in config.store.uri or config.store.uri.startswith("file://"):
+        problems.append(f"store.uri={config.store.uri!r} is a folder of this machine, which the cluster's pods "
+                        "cannot see: give an object store, --store s3://bucket/prefix (terraform output store_uri)")
+    if config.model.path.startswith("builtin:"):
+        problems.append(f"model.path={config.model.path!r} is the builtin demo model, built on the CPU for the local "
+                        "demo: give the initial policy, model.path=s3://bucket/models/<hf-folder> or "
+                        "models:/<name>@<alias>")
+    return problems
+
+
+def pipeline_arguments(config: Config, *, overrides: list[str], iterations: int | None, run_id: str = "",
+                       promote_alias: str = "", config_uri: str = "") -> dict:
+    """The rl_train parameters that reproduce this config on the cluster: the URI of the config in the
+    store (``upload_config``), overrides (redacted), iterations, run id, promotion, runner kfp."""
+    from kfrl.redaction import redact
+
+    return {"config_uri": config_uri, "overrides": redact(" ".join(shlex.quote(o) for o in overrides)),
             "iterations": int(iterations or 0), "run_id": run_id, "promote_alias": promote_alias, "runner": "kfp"}
 
 

@@ -40,11 +40,25 @@ def _report(result, iteration: int, metrics_artifact) -> str:
     return result.uri
 
 
+def read_config_text(uri: str) -> str:
+    """A config file's text from the store (s3://.../configs/x.yaml) or a path the task can read."""
+    import posixpath
+
+    from kfrl.store import Store, StoreNotFoundError
+
+    folder, name = posixpath.split(uri.rstrip("/"))
+    try:
+        return Store(folder).read_text(name)
+    except StoreNotFoundError as err:
+        raise FileNotFoundError(f"config_uri {redact(uri)}: no such config in the store ({err}); `kfrl submit` and "
+                                "`kfrl schedule` put one there, or copy a configs/*.yaml file there") from err
+
+
 # The KFP API inside a cluster with KFP installed standalone (the kubeflow namespace).
 IN_CLUSTER_KFP_HOST = "http://ml-pipeline.kubeflow.svc.cluster.local:8888"
 
 
-def train_for_kfp(*, config_yaml: str, model_path: str, train_files: str, val_files: str, store_uri: str,
+def train_for_kfp(*, config_uri: str, model_path: str, train_files: str, val_files: str, store_uri: str,
                   tracking_uri: str, experiment_name: str, iterations: int, run_id: str, overrides: str,
                   promote_alias: str, runner: str, kfp_run_id: str, metrics_artifact) -> str:
     """The rl_train pipeline's driver: `kfrl train` with the pipeline's parameters, then (with
@@ -73,7 +87,7 @@ def train_for_kfp(*, config_yaml: str, model_path: str, train_files: str, val_fi
     with tempfile.TemporaryDirectory(prefix="kfrl-driver-") as tmp:
         config_file, summary_file = os.path.join(tmp, "config.yaml"), os.path.join(tmp, "summary.json")
         with open(config_file, "w") as fh:
-            fh.write(config_yaml or "{}\n")
+            fh.write(read_config_text(config_uri) if config_uri else "{}\n")
         command = [sys.executable, "-m", "kfrl.cli", "train", "--config", config_file, "--run-id", run_id,
                    "--json", summary_file, *(["--iterations", str(iterations)] if iterations else []), *extra]
         env = {key: value for key, value in os.environ.items() if key != "_KFP_RUNTIME"}
