@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
 
-.PHONY: demo test test-all install compile clean images
+.PHONY: demo test test-portability test-all install compile clean images
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,18 @@ $(CHECKOV): infra/terraform/requirements-checkov.txt
 
 test: $(STAMP) $(CHECKOV)
 	$(VENV)/bin/pytest -q -m "not gpu and not bench"
+	@$(MAKE) --no-print-directory test-portability
+
+# The portability gate: the numerics-sensitive tests (marker `numerics`) once more under a foreign
+# machine's kernels: ATen's generic kernels instead of this CPU's AVX2/AVX-512 ones, MKL's compatible
+# code path, oneDNN held to SSE4.1. The builtin tiny model is trained with those kernels too, in a cache
+# of its own, so it comes out as another machine's model would (built once, ~1 min, then cached). A test
+# that holds only on one CPU's kernels fails here, on the developer's machine (tests/numerics.py).
+FOREIGN_KERNELS := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41 \
+	KFRL_CACHE_DIR=$(CURDIR)/$(VENV)/cache-foreign-kernels
+
+test-portability: $(STAMP)
+	$(FOREIGN_KERNELS) $(VENV)/bin/pytest -q -m "numerics and not gpu and not bench"
 
 compile: $(STAMP)
 	$(VENV)/bin/kfrl compile

@@ -32,8 +32,12 @@ from kfrl.algos import (
     policy_loss,
     value_loss,
 )
+from numerics import gamma
 
 F = torch.float32
+
+# float32 results against exact values, tolerances from the error model of close(): also run under make test-portability.
+pytestmark = pytest.mark.numerics
 EPS = 1e-6  # GRPO's default epsilon
 
 
@@ -42,6 +46,11 @@ def T(rows) -> torch.Tensor:
 
 
 def close(actual, expected, atol=1e-6, rtol=1e-5):
+    """A float32 result against its exact (hand-derived, float64) value. Error model (tests/numerics.py):
+    the inputs here have at most ~30 elements, so a float32 result is within gamma(30) ~ 1.8e-6 of the
+    exact one relative to the sum of |terms| it is built from; these small cases keep that sum within a
+    few |expected| (rtol 1e-5) or, where a result cancels to ~0, below ~0.5 (atol 1e-6). Whitening
+    divides by a std below 1: those checks pass atol 1e-5."""
     torch.testing.assert_close(torch.as_tensor(actual, dtype=F), torch.as_tensor(expected, dtype=F),
                                atol=atol, rtol=rtol)
 
@@ -609,6 +618,7 @@ def test_group_advantages_sum_to_zero(data, estimator):
     rewards, mask = outcome_rewards(scores, lengths, 4)
     adv, _ = advantage(estimator, rewards, mask, index=index, norm_adv_by_std=False)
     per_seq = adv[:, 0]
+    # Centring <= 5 float32 scores and summing the results: within ~3 gamma(6) * 5 max|score| ~ 5e-6 max|score|.
     for g in set(index):
         members = [i for i, key in enumerate(index) if key == g]
         assert abs(per_seq[members].sum().item()) <= 1e-4 * max(1.0, max(abs(scores[i]) for i in members))
@@ -667,18 +677,25 @@ def test_vanilla_without_clipping_is_minus_advantage_times_ratio(batch, agg_mode
     per_token = (-adv * torch.exp(new - old)).tolist()
     m = mask.tolist()
     rows = [[x for x, k in zip(r, mr) if k] for r, mr in zip(per_token, m)]
-    non_empty = [r for r in rows if r]
-    if agg_mode == "token-mean":
-        expected = sum(sum(r) for r in rows) / sum(len(r) for r in rows)
-    elif agg_mode == "token-sum":
-        expected = sum(sum(r) for r in rows)
-    elif agg_mode == "seq-mean-token-mean":
-        expected = sum(sum(r) / len(r) for r in non_empty) / len(non_empty)
-    else:
-        expected = sum(sum(r) for r in non_empty) / len(non_empty)
-        if agg_mode == "seq-mean-token-sum-norm":
-            expected /= mask.shape[-1]
-    close(loss, expected, atol=1e-5)
+
+    def aggregate(rows):
+        non_empty = [r for r in rows if r]
+        if agg_mode == "token-mean":
+            return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+        if agg_mode == "token-sum":
+            return sum(sum(r) for r in rows)
+        if agg_mode == "seq-mean-token-mean":
+            return sum(sum(r) / len(r) for r in non_empty) / len(non_empty)
+        value = sum(sum(r) for r in non_empty) / len(non_empty)
+        return value / mask.shape[-1] if agg_mode == "seq-mean-token-sum-norm" else value
+
+    expected = aggregate(rows)  # exact (float64) aggregation of the float32 per-token terms
+    # The loss aggregates the same float32 terms (n <= 20 of them) in float32: within
+    # gamma(n + 4) * (the same aggregation of |terms|) of the exact value (tests/numerics.py), the +4
+    # for the divisions and the per-token products.
+    n = sum(len(r) for r in rows)
+    bound = gamma(n + 4) * aggregate([[abs(x) for x in r] for r in rows])
+    assert abs(float(loss) - expected) <= bound, (float(loss), expected, bound)
     assert metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["actor/pg_clipfrac_lower"] == 0.0
 

@@ -13,8 +13,14 @@ from kfrl.config import ActorConfig, ConfigError, load_config
 F = torch.float32
 T = lambda x: torch.tensor(x, dtype=F)  # noqa: E731
 
+# float32 results against exact values (close()), and end-to-end runs of the builtin model: also run under make test-portability.
+pytestmark = pytest.mark.numerics
+
 
 def close(actual, expected, atol=1e-6, rtol=1e-5):
+    """A float32 result against its exact (hand / numpy float64) value; the error model of
+    test_algos.close: inputs of at most ~20 elements, float32 within gamma(20) ~ 1.2e-6 of exact
+    relative to the sum of |terms|, a few |expected| here (rtol), below ~0.5 where a result is ~0 (atol)."""
     torch.testing.assert_close(torch.as_tensor(actual, dtype=F), torch.as_tensor(expected, dtype=F),
                                atol=atol, rtol=rtol)
 
@@ -537,10 +543,13 @@ def test_each_new_mode_trains_end_to_end_and_its_stored_loss_is_recomputable(tmp
     from kfrl.trajectory import Trajectories
 
     # lr 1e-30 (below every weight's ulp: nothing moves) and two mini-batches: the old-logprob pass
-    # runs and every micro-batch's log-probs equal the stored old ones, so the update's loss can be
-    # recomputed from the stored batch alone.
+    # runs, and in micro-batches of the update's 8 rows (the same rows, same shapes: the same float32
+    # computation) so every micro-batch's log-probs equal the stored old ones and the update's loss can
+    # be recomputed from the stored batch alone, with the same inputs to the same function: abs 1e-5 is
+    # slack for the metrics' float32 means, not for differing log-probs.
     config = load_config(Path("configs/demo.yaml"), [
         "data.train_batch_size=4", "rollout.n=4", "data.max_response_length=16", "actor.ppo_mini_batch_size=2",
+        "rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor.ppo_micro_batch_size_per_gpu=8", "actor.shuffle=false", "actor.lr=1e-30", "trainer.log_generations=0",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "pipeline.runner=inline",
         f"actor.loss_mode={mode}", f"store.uri={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path}/m.db",

@@ -1,9 +1,15 @@
-"""The ``torch`` rollout backend against the HF reference, on CPU in fp32 (and on CUDA when present).
+"""The ``torch`` rollout backend against the HF reference, on CPU (and on CUDA when present).
 
 Greedy responses must equal HF ``generate`` token for token; sampled-token log-probs must equal a
 teacher-forced pass; sampling must follow softmax(logits / T) with top-k/top-p applied; the same seed
-must give the same samples. Models: the builtin tiny Qwen2 (trained, so it ends answers with EOS) and
-random-init Qwen2, Qwen3 and Llama (llama3 rotary scaling, attention biases) checkpoints.
+must give the same samples. Comparisons of the decoder with HF, and of its bucketed with its exact
+compaction, run in float64: the point is the algorithm (caches, masks, positions, compaction), not the
+kernels, whose float32/bf16 results are checked against their references in test_kernels.py and on
+CUDA below. Tolerances and the near-tie rule come from the error models of tests/numerics.py.
+Models: a scripted random Qwen2 (tests/scripted_model.py: prompts that end after a known number of
+tokens, others that run to the length limit, next-token distributions of a known spread), random-init
+Qwen2, Qwen3 and Llama (llama3 rotary scaling, attention biases) checkpoints, and (CUDA, end to end)
+the builtin tiny Qwen2.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import json
 import pytest
 import torch
 
+import scripted_model
 from kfrl.engines.decoder import Decoder, UnsupportedModelError
 from kfrl.engines.inference import compute_logprobs
 from kfrl.engines.rollout import SamplingParams, checkpoint_eos_ids, pad_token_id
@@ -19,6 +26,17 @@ from kfrl.engines.rollout_hf import HFRollout
 from kfrl.engines.rollout_torch import TorchRollout, batch_buckets
 from kfrl.engines.sampling import filtered_distribution, sample_tokens
 from kfrl.trajectory import Trajectories
+from numerics import assert_greedy_agree, logprob_tolerance, teacher_forced_margins, tv_acceptance, ulp32
+
+
+def chat_prompts(tokenizer, rows) -> list[list[int]]:
+    return [list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)) for r in rows]
+
+
+def ragged(prompts: list[list[int]]) -> list[list[int]]:
+    """Every third prompt cut short."""
+    return [p[:8 + (i % 5) * 3] if i % 3 == 0 else p for i, p in enumerate(prompts)]
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +53,26 @@ def tiny(tiny_dir):
 
     tokenizer = load_tokenizer(tiny_dir)
     model = load_causal_lm(tiny_dir, torch.float32).eval()
-    rows = make_arith_rows(24, seed=3, split="test")
-    prompts = [list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)) for r in rows]
-    # Ragged lengths: cut every third prompt short.
-    prompts = [p[:8 + (i % 5) * 3] if i % 3 == 0 else p for i, p in enumerate(prompts)]
-    return model, tokenizer, prompts
+    return model, tokenizer, ragged(chat_prompts(tokenizer, make_arith_rows(24, seed=3, split="test")))
+
+
+STOPS = {i: (i // 2) % 4 for i in range(0, 24, 2)}  # prompt index -> tokens before its EOS
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """(checkpoint dir, the model in float64, tokenizer, prompts): 24 ragged arithmetic prompts; the
+    even ones end in a stop trigger, so their responses are k = 0, 1, 2, 3 tokens and then EOS
+    (``STOPS``), the odd ones continue freely, to the length limit (the scripted tokens, EOS among them,
+    have logit exactly 0 there, below the best of the random ones)."""
+    from kfrl.data.synthetic import make_arith_rows
+    from kfrl.models.tiny import arith_corpus, build_tokenizer
+
+    tokenizer = build_tokenizer(arith_corpus(make_arith_rows(64, seed=0, split="train")))
+    path, model = scripted_model.build(tokenizer, tmp_path_factory.mktemp("scripted") / "qwen2")
+    prompts = ragged(chat_prompts(tokenizer, make_arith_rows(24, seed=3, split="test")))
+    prompts = [scripted_model.stop_prompt(p, tokenizer, STOPS[i]) if i in STOPS else p for i, p in enumerate(prompts)]
+    return path, model.to(torch.float64), tokenizer, prompts
 
 
 def torch_engine(model_dir, tokenizer, device="cpu", dtype=torch.float32, **kwargs) -> TorchRollout:
@@ -49,65 +81,119 @@ def torch_engine(model_dir, tokenizer, device="cpu", dtype=torch.float32, **kwar
                         pad_token_id(tokenizer, eos), **kwargs)
 
 
-def test_greedy_equals_hf_generate_with_ragged_prompts_eos_and_length(tiny, tiny_dir):
-    model, tokenizer, prompts = tiny
-    params = SamplingParams(n=2, max_new_tokens=12, do_sample=False)
+def margins_along(model, expanded, responses):
+    """The top-2 margins of a float64 model's logits along given responses (teacher-forced) and the
+    largest |logit| met: what ``assert_greedy_agree`` and ``logprob_tolerance`` need."""
+    margins = teacher_forced_margins(model, expanded, responses)
+    with torch.no_grad():
+        largest = max(float(model(torch.tensor([p + r])).logits.abs().max()) for p, r in zip(expanded, responses))
+    return margins, largest
+
+
+def greedy_reference(model, tokenizer, prompts, params):
+    """HF greedy generations of a float64 model, with ``margins_along`` them."""
     reference = HFRollout(model, tokenizer).generate_responses(prompts, params)
-    engine = torch_engine(tiny_dir, tokenizer)
+    expanded = [p for p in prompts for _ in range(params.n)]
+    return (reference, *margins_along(model, expanded, [g.response_ids for g in reference]))
+
+
+def float64_greedy_tie(largest_logit: float) -> float:
+    """Greedy sampling takes float32 of the float64 logits (``sample_tokens``): two tokens keep their
+    order unless their float64 margin is within one float32 ulp of the largest |logit|; the two float64
+    paths' logits differ by ~gamma(n, 2^-53) * sum|terms| (< 1e-12 here), far below. Margins at most
+    twice the ulp count as near-ties."""
+    return 2 * ulp32(largest_logit)
+
+
+def assert_logprobs_agree(ours, reference, compared, largest_logit, vocab):
+    """Per-token log-probs over the compared (equal) prefixes, within the float32 log-prob bound."""
+    tolerance = logprob_tolerance(largest_logit, vocab)
+    diff = max((abs(x - y) for a, b, k in zip(ours, reference, compared)
+                for x, y in zip(a.rollout_logprobs[:k], b.rollout_logprobs[:k])), default=0.0)
+    assert diff <= tolerance, (diff, tolerance)
+
+
+@pytest.mark.numerics
+def test_greedy_equals_hf_generate_with_ragged_prompts_eos_and_length(scripted):
+    path, model, tokenizer, prompts = scripted
+    params = SamplingParams(n=2, max_new_tokens=12, do_sample=False)
+    reference, margins, largest = greedy_reference(model, tokenizer, prompts, params)
+    engine = torch_engine(path, tokenizer, dtype=torch.float64)
     ours = engine.generate_responses(prompts, params)
-    assert [g.response_ids for g in ours] == [g.response_ids for g in reference]
-    assert [g.finish_reason for g in ours] == [g.finish_reason for g in reference]
-    # Both endings occur: answers that stop at EOS mid-batch, and prompts cut short that run to the limit.
-    assert {"stop", "length"} <= {g.finish_reason for g in ours}
-    for a, b in zip(ours, reference):
-        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) < 1e-4
+    compared = assert_greedy_agree([g.response_ids for g in ours], [g.response_ids for g in reference], margins,
+                                   float64_greedy_tie(largest))
+    for a, b, k in zip(ours, reference, compared):
+        if k == len(b.response_ids):
+            assert a.finish_reason == b.finish_reason
+    assert_logprobs_agree(ours, reference, compared, largest, len(tokenizer))
+    # Both endings occur, by construction: the stop prompts answer k tokens then EOS (mid-batch, at
+    # steps 0..3), the free ones run to the limit.
+    eos = tokenizer.eos_token_id
+    for i, k in STOPS.items():
+        for g in ours[2 * i:2 * i + 2]:
+            assert (len(g.response_ids), g.response_ids[-1], g.finish_reason) == (k + 1, eos, "stop")
+    assert "length" in {g.finish_reason for g in ours}
     # Finished sequences were compacted away rather than decoded to the end.
     assert engine.stats["compactions"] >= 1
 
 
-def test_sampled_logprobs_equal_a_teacher_forced_pass(tiny, tiny_dir):
-    model, tokenizer, prompts = tiny
+@pytest.mark.numerics
+def test_sampled_logprobs_equal_a_teacher_forced_pass(scripted):
+    path, model, tokenizer, prompts = scripted
     params = SamplingParams(n=3, max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9)
-    gens = torch_engine(tiny_dir, tokenizer).generate_responses(prompts, params, seed=11)
+    gens = torch_engine(path, tokenizer, dtype=torch.float64).generate_responses(prompts, params, seed=11)
     expanded = [p for p in prompts for _ in range(3)]
     responses = [g.response_ids for g in gens]
     trajectories = Trajectories.from_lists(expanded, responses, pad_id=tokenizer.pad_token_id)
     recomputed = trajectories.unpad(compute_logprobs(model, trajectories, temperature=0.7, micro_batch_size=32,
                                                      with_entropy=False)[0])
+    with torch.no_grad():
+        largest = max(float(model(torch.tensor([p + r])).logits.abs().max()) for p, r in zip(expanded, responses))
     diff = max(max(abs(x - y) for x, y in zip(lp, g.rollout_logprobs)) for lp, g in zip(recomputed, gens))
-    assert diff <= 1e-4
+    # Both are float32 log-probs of float32 scores logits / T (the scores: |logit| / 0.7 at most).
+    assert diff <= logprob_tolerance(largest / 0.7, len(tokenizer))
     eos = tokenizer.eos_token_id
     for g in gens:
         assert (g.finish_reason == "stop") == (g.response_ids[-1] == eos)
         assert eos not in g.response_ids[:-1]
 
 
-def test_same_seed_same_samples_and_micro_batches_keep_order(tiny, tiny_dir):
-    _, tokenizer, prompts = tiny
+@pytest.mark.numerics
+def test_same_seed_same_samples_and_micro_batches_keep_order(scripted):
+    path, model, tokenizer, prompts = scripted
     params = SamplingParams(n=4, max_new_tokens=8, temperature=1.0)
-    engine = torch_engine(tiny_dir, tokenizer)
+    engine = torch_engine(path, tokenizer, dtype=torch.float64)
     first = [g.response_ids for g in engine.generate_responses(prompts, params, seed=5)]
-    assert first == [g.response_ids for g in engine.generate_responses(prompts, params, seed=5)]
+    assert first == [g.response_ids for g in engine.generate_responses(prompts, params, seed=5)]  # the same path
     assert first != [g.response_ids for g in engine.generate_responses(prompts, params, seed=6)]
-    # Prompt-major order holds across micro-batches (greedy, so the chunking cannot change tokens).
+    # Prompt-major order holds across micro-batches (greedy, so the chunking cannot change tokens but
+    # at near-ties; a prompt's samples in another's place would part at once, at a clear margin).
     greedy = SamplingParams(n=2, max_new_tokens=8, do_sample=False)
-    whole = engine.generate_responses(prompts, greedy)
-    chunked = torch_engine(tiny_dir, tokenizer, micro_batch_size=5).generate_responses(prompts, greedy)
-    assert [g.response_ids for g in chunked] == [g.response_ids for g in whole]
+    whole = [g.response_ids for g in engine.generate_responses(prompts, greedy)]
+    chunked = [g.response_ids for g in torch_engine(path, tokenizer, dtype=torch.float64,
+                                                    micro_batch_size=5).generate_responses(prompts, greedy)]
+    margins, largest = margins_along(model, [p for p in prompts for _ in range(2)], whole)
+    assert_greedy_agree(chunked, whole, margins, float64_greedy_tie(largest))
 
 
-def test_bucketed_compaction_with_filler_slots_matches_exact_compaction(tiny, tiny_dir):
+@pytest.mark.numerics
+def test_bucketed_compaction_with_filler_slots_matches_exact_compaction(scripted):
     """The GPU path compacts into batch buckets and fills the rest with finished slots; on CPU it
     compacts exactly. Both must give the same greedy tokens."""
-    _, tokenizer, prompts = tiny
+    path, model, tokenizer, prompts = scripted
     params = SamplingParams(n=3, max_new_tokens=12, do_sample=False)
-    exact = torch_engine(tiny_dir, tokenizer).generate_responses(prompts, params)
-    bucketed_engine = torch_engine(tiny_dir, tokenizer, bucketed=True)
+    exact_engine = torch_engine(path, tokenizer, dtype=torch.float64)
+    exact = exact_engine.generate_responses(prompts, params)
+    bucketed_engine = torch_engine(path, tokenizer, dtype=torch.float64, bucketed=True)
     bucketed = bucketed_engine.generate_responses(prompts, params)
-    assert [g.response_ids for g in bucketed] == [g.response_ids for g in exact]
-    flat = [x for g in bucketed for x in g.rollout_logprobs]
-    assert flat == pytest.approx([x for g in exact for x in g.rollout_logprobs], abs=1e-5)
-    assert bucketed_engine.stats["compactions"] >= 1
+    margins, largest = margins_along(model, [p for p in prompts for _ in range(3)], [g.response_ids for g in exact])
+    compared = assert_greedy_agree([g.response_ids for g in bucketed], [g.response_ids for g in exact], margins,
+                                   float64_greedy_tie(largest))
+    assert_logprobs_agree(bucketed, exact, compared, largest, len(tokenizer))
+    # By construction 3 stop prompts x 3 samples end at each of the steps 0..3 while the free ones run
+    # on: 72 -> 63 running after the first token fits the 64 bucket (one filler slot), 45 the 48 one.
+    assert exact_engine.stats["compactions"] >= 4
+    assert bucketed_engine.stats["compactions"] >= 2
     assert batch_buckets(72) == [72, 64, 48, 32, 24, 16, 8]
 
 
@@ -115,6 +201,7 @@ def _empirical(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.bincount(tokens, minlength=vocab).double() / tokens.numel()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.6, top_k=12),
                                    dict(temperature=1.3, top_p=0.8), dict(temperature=0.9, top_k=30, top_p=0.7)])
 def test_sampling_follows_the_filtered_distribution(knobs):
@@ -124,63 +211,74 @@ def test_sampling_follows_the_filtered_distribution(knobs):
     tokens, logprobs = sample_tokens(logits.expand(draws, -1), **knobs)
     expected = filtered_distribution(logits[None], **knobs)[0]
     observed = _empirical(tokens, 64)
-    # Chi-square over the kept tokens; nothing outside the kept set is ever drawn.
+    # Chi-square over the kept tokens; nothing outside the kept set is ever drawn. The bound is the
+    # statistic's mean (dof) plus 5 standard deviations (sqrt(2 dof)) plus 10: a false alarm needs a
+    # deviation of 5+ sigma (probability < 1e-6 whatever the random stream).
     assert observed[expected == 0].sum() == 0
     kept = expected > 0
     chi2 = float((draws * (observed[kept] - expected[kept]) ** 2 / expected[kept]).sum())
     dof = int(kept.sum()) - 1
     assert chi2 < dof + 5 * (2 * dof) ** 0.5 + 10, (chi2, dof)
-    # The reported log-prob is log_softmax(logits / T) of the drawn token, before truncation.
-    scaled = torch.log_softmax(logits / knobs["temperature"], dim=-1)
-    assert torch.allclose(logprobs, scaled[tokens], atol=1e-5)
+    # The reported log-prob is log_softmax(logits / T) of the drawn token, before truncation: two float32
+    # routines on the same float32 scores.
+    scaled_logits = logits / knobs["temperature"]
+    scaled = torch.log_softmax(scaled_logits, dim=-1)
+    tolerance = logprob_tolerance(float(scaled_logits.abs().max()), 64)
+    assert float((logprobs - scaled[tokens]).abs().max()) <= tolerance
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("device, knobs", [
     ("cpu", dict(temperature=1.5, top_k=8, top_p=0.9)),
     pytest.param("cuda", dict(temperature=1.5), marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                           reason="needs a CUDA device")),
     pytest.param("cuda", dict(temperature=1.5, top_k=8, top_p=0.9),
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
-def test_engine_samples_two_steps_from_the_models_distribution(tiny, tiny_dir, device, knobs):
+def test_engine_samples_two_steps_from_the_models_distribution(scripted, device, knobs):
     """Joint distribution of the first two sampled tokens for one prompt (prefill and one decode
     step) against the model's filtered next-token distributions; a TV distance, with a control
     that the test notices the wrong temperature. On CUDA plain temperature sampling runs the fused
-    Triton sampler (top-k/top-p the PyTorch one)."""
-    model, tokenizer, prompts = tiny
-    prompt = prompts[1][:10]  # "<|im_start|>user\nWhat is 96 + ": the next two tokens are digits, uncertain
-    n = 6000
-    gens = torch_engine(tiny_dir, tokenizer, device=device).generate_responses(
+    Triton sampler (top-k/top-p the PyTorch one).
+
+    The prompt ends in the scripted model's DIST_TRIGGER: its first token is one of 8 with logits
+    20, 19.1, ..., 13.7, its second one of 8 others whose mixture depends on the first (so temperature
+    1.5 and 1.0 give clearly different joint distributions, which the test checks first). The
+    acceptance bound is statistical (``tv_acceptance``: exceeded with probability < 1e-6)."""
+    path, model, tokenizer, prompts = scripted
+    prompt = scripted_model.dist_prompt(prompts[1], tokenizer)
+    n = 12000
+    gens = torch_engine(path, tokenizer, device=device).generate_responses(
         [prompt], SamplingParams(n=n, max_new_tokens=2, **knobs), seed=3)
     vocab = model.config.vocab_size
-    with torch.no_grad():
-        first = filtered_distribution(model(torch.tensor([prompt])).logits[0, -1][None], **knobs)[0]
-        support = torch.nonzero(first).squeeze(1)
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():  # float64: the float32 engine's logits differ by ~1e-5, far below the bounds
+        prompt_logits = model(torch.tensor([prompt])).logits[0, -1][None]
+        support = torch.nonzero(filtered_distribution(prompt_logits, **knobs)[0]).squeeze(1)
         following = model(torch.tensor([prompt + [int(t)] for t in support])).logits[:, -1]
-        second = filtered_distribution(following, **knobs)
 
-    def joint(first_dist, second_dist):
+    def joint(sampling):
+        first = filtered_distribution(prompt_logits, **sampling)[0]
         out = torch.zeros(vocab, vocab, dtype=torch.float64)
-        out[support] = first_dist[support, None] * second_dist
+        out[support] = first[support, None] * filtered_distribution(following, **sampling)
+        ended = support[support == eos]  # EOS first: the sequence ends there (counted as (EOS, EOS))
+        out[ended] = 0
+        out[ended, eos] = first[ended]
         return out
 
-    expected = joint(first, second)
+    expected, wrong = joint(knobs), joint(dict(knobs, temperature=1.0))
+    accept, accept_wrong = tv_acceptance(expected, n), tv_acceptance(wrong, n)
+    # The control can tell: the two acceptance regions are disjoint.
+    assert 0.5 * float((expected - wrong).abs().sum()) > accept + accept_wrong
     observed = torch.zeros(vocab, vocab, dtype=torch.float64)
     for g in gens:
         if len(g.response_ids) == 2:
             observed[g.response_ids[0], g.response_ids[1]] += 1
         else:  # the first token was EOS: the sequence ended there
-            observed[g.response_ids[0], tokenizer.eos_token_id] += 1
-    eos_rows = support == tokenizer.eos_token_id
-    expected[support[eos_rows]] = 0
-    expected[support[eos_rows], tokenizer.eos_token_id] = first[support[eos_rows]]
+            observed[g.response_ids[0], eos] += 1
     observed /= n
     tv = 0.5 * float((observed - expected).abs().sum())
-    assert tv < 0.05, tv
-    with torch.no_grad():
-        wrong_t = dict(knobs, temperature=1.0)
-        wrong = joint(filtered_distribution(model(torch.tensor([prompt])).logits[0, -1][None], **wrong_t)[0],
-                      filtered_distribution(following, **wrong_t))
-    assert 0.5 * float((observed - wrong).abs().sum()) > tv + 0.03
+    assert tv < accept, (tv, accept)
+    assert 0.5 * float((observed - wrong).abs().sum()) > accept_wrong  # draws at T = 1 would have failed
 
 
 def _random_checkpoint(tmp_path, family: str, tokenizer):
@@ -215,17 +313,20 @@ def _random_checkpoint(tmp_path, family: str, tokenizer):
     return path, model.eval()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
-def test_other_families_greedy_equal_hf(tmp_path, tiny, family):
-    _, tokenizer, prompts = tiny
+def test_other_families_greedy_equal_hf(tmp_path, scripted, family):
+    _, _, tokenizer, prompts = scripted
     path, model = _random_checkpoint(tmp_path, family, tokenizer)
+    model = model.to(torch.float64)
     params = SamplingParams(n=1, max_new_tokens=10, do_sample=False)
-    reference = HFRollout(model, tokenizer).generate_responses(prompts, params)
-    ours = torch_engine(path, tokenizer).generate_responses(prompts, params)
-    assert [g.response_ids for g in ours] == [g.response_ids for g in reference]
-    for a, b in zip(ours, reference):
-        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) < 1e-4
-    # The decoder built from the live model's parameters is the same model.
+    reference, margins, largest = greedy_reference(model, tokenizer, prompts, params)
+    ours = torch_engine(path, tokenizer, dtype=torch.float64).generate_responses(prompts, params)
+    compared = assert_greedy_agree([g.response_ids for g in ours], [g.response_ids for g in reference], margins,
+                                   float64_greedy_tie(largest))
+    assert_logprobs_agree(ours, reference, compared, largest, len(tokenizer))
+    # The decoder built from the live model's parameters is the same model: the same float64 values in
+    # the same layout, so the same computation, token for token.
     live = TorchRollout(Decoder.from_hf_model(model), {tokenizer.eos_token_id}, tokenizer.pad_token_id)
     assert [g.response_ids for g in live.generate_responses(prompts, params)] == [g.response_ids for g in ours]
 
