@@ -170,6 +170,7 @@ class FakeKfp:
     def __init__(self):
         self.requests: list[dict] = []
         self.recurring: dict[str, dict] = {}  # id -> the recurring run as created
+        self.run_states = ["PENDING", "RUNNING", "SUCCEEDED"]  # what GET /runs/<id> answers, in turn
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -195,6 +196,9 @@ class FakeKfp:
                     answer = {}
                 elif path.endswith("/runs"):
                     answer = {**body, "run_id": "run-1"}
+                elif "/runs/" in path and method == "GET":
+                    state = fake.run_states.pop(0) if len(fake.run_states) > 1 else fake.run_states[0]
+                    answer = {"run_id": path.rsplit("/", 1)[1], "state": state}
                 else:
                     answer = {}
                 data = json.dumps(answer).encode()
@@ -290,6 +294,35 @@ def test_submit_starts_one_training_run(fake_kfp, s3_bucket):
         "body"]["runtime_config"]["parameters"]["config_uri"] == params["config_uri"]
 
 
+@pytest.mark.parametrize("states, promoted, status", [
+    (["PENDING", "RUNNING", "SUCCEEDED"], True, 0), (["RUNNING", "SUCCEEDED"], False, 3),
+    (["RUNNING", "FAILED"], None, 1)])
+def test_submit_wait_follows_the_run_and_exits_as_kfrl_train_does(fake_kfp, s3_bucket, tmp_path, states,
+                                                                   promoted, status):
+    from kfrl.stages.kfp_entry import SUMMARY_FILE, driver_run_id
+    from kfrl.store import Store
+
+    fake_kfp.run_states = list(states)
+    store = f"s3://{s3_bucket}/runs"
+    if promoted is not None:  # what the driver leaves in the run's folder at its end
+        Store(store).write_text(f"grpo-qwen2.5-0.5b/{driver_run_id('run-1')}/{SUMMARY_FILE}", json.dumps(
+            {"final_metrics": {"critic/score/mean": 0.5}, "promotion": {"promoted": promoted, "reason": "better"
+                                                                         if promoted else "0.41 <= 0.43"}}))
+    result = runner.invoke(app, ["submit", "--config", str(GPU_CONFIG), "--host", fake_kfp.url, "--store", store,
+                                 "--promote-alias", "champion", "--wait", "--poll-seconds", "0.01",
+                                 "--json", str(tmp_path / "summary.json")])
+    assert result.exit_code == status, result.output
+    shown = [line.split(": ")[-1] for line in result.output.splitlines() if "KFP run run-1:" in line]
+    assert shown == states  # each state once, as it changed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["kfp_run_id"] == "run-1" and summary["state"] == states[-1]
+    assert summary["run_id"] == driver_run_id("run-1")
+    if status == 3:
+        assert "not promoted: @champion stays (0.41 <= 0.43)" in result.output
+    if status == 0:
+        assert summary["final_metrics"] == {"critic/score/mean": 0.5} and "@champion moved" in result.output
+
+
 def test_submit_refuses_what_the_cluster_cannot_run_before_anything_is_sent(fake_kfp, tmp_path):
     result = runner.invoke(app, ["submit", "--config", "configs/demo.yaml", "--host", fake_kfp.url,
                                  "--store", str(tmp_path / "store")])
@@ -370,6 +403,8 @@ def test_the_training_pipeline_drives_a_run_through_the_local_runner_as_kfrl_tra
     run_uri = task.output if hasattr(task, "output") else task.outputs["Output"]
     run = Run.at(run_uri)
     assert run.latest() == 2
+    left = json.loads((Path(run_uri) / "summary.json").read_text())  # what `kfrl submit --wait` reads
+    assert left["run_id"] == "from-kfp" and left["run_uri"] == run_uri and left["final_metrics"]
     reference = train(load_config(Path("configs/demo.yaml"), small + [
         f"store.uri={tmp_path / 'ref-store'}", f"tracking.uri={mlflow_server}", "pipeline.runner=inline"]),
         run_id="from-cli", iterations=2)

@@ -273,9 +273,16 @@ def submit(
     host: Optional[str] = typer.Option(None, "--host", help="KFP API URL (pipeline.host; default $KF_PIPELINES_ENDPOINT)"),
     namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubeflow profile namespace (multi-user KFP)"),
     promote_alias: str = typer.Option("", "--promote-alias", help="after training, move this MLflow alias if better"),
+    wait: bool = typer.Option(False, "--wait", help="follow the run until it ends: exit 0 done, 1 failed, "
+                              "3 trained but not promoted (with --promote-alias)"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="with --wait: write the run's summary (kfrl and "
+                                           "KFP run ids, state, final metrics, promotion) to this file; - for stdout"),
+    poll_seconds: float = typer.Option(10.0, "--poll-seconds", help="with --wait: seconds between state checks"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="with --wait: give up after this many seconds "
+                                            "(exit 1; the run goes on)"),
 ):
     """Start the training pipeline (rl_train) on a KFP cluster: it prepares the run and drives every
-    iteration there. Prints the KFP run id."""
+    iteration there. Prints the KFP run id; with --wait follows it to its end (for CI)."""
     from kfrl.submit import pipeline_arguments, submit as submit_run
 
     cfg = _cluster_config(config, overrides, store, tracking_uri, host, namespace)
@@ -287,6 +294,37 @@ def submit(
         _fail(f"submitting to KFP at {cfg.pipeline.host or os.environ.get('KF_PIPELINES_ENDPOINT')}: "
               f"{type(err).__name__}: {err}", code=EXIT_FAILED)
     typer.echo(f"submitted KFP run {kfp_run} (pipeline kfrl-rl-train, experiment {cfg.trainer.project_name})")
+    if wait:
+        _follow(cfg, kfp_run, run_id, promote_alias, json_out, poll_seconds, timeout)
+
+
+def _follow(cfg, kfp_run: str, run_id: str, promote_alias: str, json_out, poll_seconds: float, timeout) -> None:
+    """``kfrl submit --wait``: the run's states as they change, then its summary and exit status."""
+    from kfrl.stages.kfp_entry import driver_run_id
+    from kfrl.submit import training_summary, wait_for_training_run
+
+    run_id = run_id or driver_run_id(kfp_run)
+    try:
+        state = wait_for_training_run(cfg, kfp_run, poll_s=poll_seconds, timeout_s=timeout, echo=typer.echo)
+    except Exception as err:  # noqa: BLE001 - connection and API errors: one line
+        _fail(f"following KFP run {kfp_run}: {type(err).__name__}: {err}; it goes on in the cluster",
+              code=EXIT_FAILED)
+    summary = training_summary(cfg, run_id) if state == "SUCCEEDED" else None
+    document = {"kfp_run_id": kfp_run, "run_id": run_id, "state": state, **(summary or {})}
+    if json_out:
+        _write_json(document, json_out)
+    if state != "SUCCEEDED":
+        _fail(f"KFP run {kfp_run} (kfrl run {run_id}) ended {state}" if state != "TIMEOUT" else
+              f"KFP run {kfp_run} still running after {timeout:.0f} s; it goes on in the cluster", code=EXIT_FAILED)
+    promotion = (summary or {}).get("promotion")
+    if promote_alias and promotion is not None and not promotion.get("promoted"):
+        typer.echo(f"not promoted: @{promote_alias} stays ({promotion.get('reason') or 'not better'})")
+        raise typer.Exit(EXIT_NOT_PROMOTED)
+    if promote_alias and promotion is None:
+        typer.echo(f"done: kfrl run {run_id}; its summary was not readable from the store, so whether "
+                   f"@{promote_alias} moved is unknown here (`kfrl promote` decides it again)")
+        return
+    typer.echo(f"done: kfrl run {run_id}" + (f", @{promote_alias} moved" if promotion else ""))
 
 
 @app.command()

@@ -160,3 +160,43 @@ def delete_schedule(config: Config, name: str) -> list[str]:
     for recurring_run_id in ids:
         client.delete_recurring_run(recurring_run_id)
     return ids
+
+
+FINAL_STATES = {"SUCCEEDED", "FAILED", "CANCELED", "CANCELLED", "SKIPPED"}
+
+
+def wait_for_training_run(config: Config, kfp_run_id: str, *, poll_s: float = 10.0, timeout_s: float | None = None,
+                          echo=print) -> str:
+    """Follow an rl_train run until it ends, echoing each change of its state with the time since the
+    start; returns the final state (or ``TIMEOUT``)."""
+    import time
+
+    from kfrl.runners import kfp_client
+
+    client = kfp_client(config.pipeline)
+    started, last = time.monotonic(), None
+    while True:
+        state = str(getattr(client.get_run(kfp_run_id), "state", "") or "UNKNOWN").upper()
+        elapsed = time.monotonic() - started
+        if state != last:
+            echo(f"[{int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}] KFP run {kfp_run_id}: {state}")
+            last = state
+        if state in FINAL_STATES:
+            return state
+        if timeout_s is not None and elapsed > timeout_s:
+            return "TIMEOUT"
+        time.sleep(poll_s)
+
+
+def training_summary(config: Config, run_id: str) -> dict | None:
+    """The summary the cluster driver left in the run's folder (``summary.json``), or None."""
+    import json
+
+    from kfrl.stages.kfp_entry import SUMMARY_FILE
+    from kfrl.store import Store, StoreNotFoundError
+
+    store = Store(config.store.uri, **config.store.options())
+    try:
+        return json.loads(store.read_text(f"{config.trainer.experiment_name}/{run_id}/{SUMMARY_FILE}"))
+    except StoreNotFoundError:
+        return None

@@ -83,7 +83,7 @@ def train_for_kfp(*, config_uri: str, model_path: str, train_files: str, val_fil
     extra.append(f"pipeline.runner={runner}")
     if runner == "kfp" and not any(item.startswith("pipeline.host=") for item in extra):
         extra.append(f"pipeline.host={os.environ.get('KF_PIPELINES_ENDPOINT') or IN_CLUSTER_KFP_HOST}")
-    run_id = run_id or f"kfp-{kfp_run_id.replace('-', '')[:12]}"
+    run_id = run_id or driver_run_id(kfp_run_id)
     with tempfile.TemporaryDirectory(prefix="kfrl-driver-") as tmp:
         config_file, summary_file = os.path.join(tmp, "config.yaml"), os.path.join(tmp, "summary.json")
         with open(config_file, "w") as fh:
@@ -112,7 +112,22 @@ def train_for_kfp(*, config_uri: str, model_path: str, train_files: str, val_fil
         except PromotionRefused as err:
             print(f"[kfrl] not promoted: {err}", flush=True)
             metrics_artifact.log_metric("promoted", 0.0)
+            summary["promotion"] = {"alias": promote_alias, "promoted": False, "reason": str(err)}
         else:
             print(f"[kfrl] promotion @{promote_alias}: {json.dumps(result.to_dict())}", flush=True)
             metrics_artifact.log_metric("promoted", 1.0 if result.promoted else 0.0)
+            summary["promotion"] = {"alias": promote_alias, **result.to_dict()}
+    # What `kfrl submit --wait` reads back: the run's summary, in its folder.
+    from kfrl.run import Run
+
+    Run.at(summary["run_uri"]).store.write_text(SUMMARY_FILE, json.dumps(summary, sort_keys=True, default=str))
     return summary["run_uri"]
+
+
+SUMMARY_FILE = "summary.json"  # in a run's folder, written by the cluster driver at its end
+
+
+def driver_run_id(kfp_run_id: str) -> str:
+    """The kfrl run id of an rl_train run started without one: derived from the KFP run's id, so a
+    retried driver task resumes the same kfrl run and a client can find it."""
+    return f"kfp-{kfp_run_id.replace('-', '')[:12]}"
