@@ -24,6 +24,7 @@ JOB_ENV = {
     "ALIAS": "champion",
     "MIN_DELTA": "0",
     "KFP_HOST": "http://ml-pipeline.kubeflow:8888",
+    "KF_PIPELINES_TOKEN": "t0ken",
     "KFRL_STORE": "s3://kfrl-test/runs",
     "KFRL_OVERRIDES": "data.train_files=s3://kfrl-test/gsm8k/train.parquet model.path=s3://kfrl-test/qwen",
     "AWS_ENDPOINT_URL": "",
@@ -39,9 +40,13 @@ FAKE_KFRL = """#!/usr/bin/env bash
 printf '%s\\n' "$@" -- >> "$KFRL_CALLS"
 case "$1" in
   train)
+    for arg in "$@"; do [ "$arg" = --dry-run ] && exit 0; done
+    echo "fake kfrl: train without --dry-run: CI must not drive a run itself" >&2; exit 2
+    ;;
+  submit)
     json=""; prev=""
     for arg in "$@"; do [ "$prev" = --json ] && json=$arg; prev=$arg; done
-    [ -n "$json" ] || { echo "fake kfrl: train without --json" >&2; exit 2; }
+    [ -n "$json" ] || { echo "fake kfrl: submit without --json" >&2; exit 2; }
     cat > "$json" <<'JSON'
 {"run_id": "run-42", "mlflow_run_id": "abc123", "run_uri": "s3://kfrl-test/runs/run-42", "iterations": [19, 20],
  "final_iteration": 20, "final_metrics": {"actor/loss": 0.1, "val-core/openai/gsm8k/reward/mean@1": 0.61},
@@ -159,21 +164,27 @@ def test_train_then_promote(runner, promote_exit, job_ok, verdict):
     env["FAKE_PROMOTE_EXIT"] = str(promote_exit)
     workflow = load_workflow()
 
-    train = run_step(step_running(workflow, "kfrl train")["run"], work, env)
+    check = run_step(step_running(workflow, "--dry-run")["run"], work, env)
+    assert check.returncode == 0, check.stdout + check.stderr
+    train = run_step(step_running(workflow, "kfrl submit")["run"], work, env)
     assert train.returncode == 0, train.stdout + train.stderr
     assert (work / "summary.json").is_file()
     promote = run_step(step_running(workflow, "kfrl promote")["run"], work, env)
 
-    train_argv, promote_argv = calls(env)
-    assert train_argv[0] == "train"
-    options = train_argv[1:]
-    for flag, value in (("--config", JOB_ENV["CONFIG"]), ("--runner", "kfp"), ("--iterations", "20"),
-                        ("--store", JOB_ENV["KFRL_STORE"]), ("--tracking-uri", JOB_ENV["MLFLOW_TRACKING_URI"]),
-                        ("--json", "summary.json")):
-        assert options[options.index(flag) + 1] == value, (flag, train_argv)
-    # Config overrides: the KFP host, and each of KFRL_OVERRIDES as its own argument.
-    assert {f"pipeline.host={JOB_ENV['KFP_HOST']}", "data.train_files=s3://kfrl-test/gsm8k/train.parquet",
-            "model.path=s3://kfrl-test/qwen"} <= set(options)
+    check_argv, submit_argv, promote_argv = calls(env)
+    # The same config, overrides and flags are checked (strictly) and then submitted.
+    assert check_argv[0] == "train" and check_argv[-2:] == ["--dry-run", "--strict"]
+    assert check_argv[check_argv.index("--runner") + 1] == "kfp"
+    assert submit_argv[0] == "submit" and "--wait" in submit_argv
+    for argv in (check_argv, submit_argv):
+        options = argv[1:]
+        for flag, value in (("--config", JOB_ENV["CONFIG"]), ("--iterations", "20"),
+                            ("--store", JOB_ENV["KFRL_STORE"]), ("--tracking-uri", JOB_ENV["MLFLOW_TRACKING_URI"])):
+            assert options[options.index(flag) + 1] == value, (flag, argv)
+        # Config overrides: the KFP host, and each of KFRL_OVERRIDES as its own argument.
+        assert {f"pipeline.host={JOB_ENV['KFP_HOST']}", "data.train_files=s3://kfrl-test/gsm8k/train.parquet",
+                "model.path=s3://kfrl-test/qwen"} <= set(options)
+    assert submit_argv[submit_argv.index("--json") + 1] == "summary.json"
     assert promote_argv == ["promote", "--run", "run-42", "--alias", "champion", "--min-delta", "0"]
 
     summary = Path(env["GITHUB_STEP_SUMMARY"])
@@ -190,10 +201,17 @@ def test_train_then_promote(runner, promote_exit, job_ok, verdict):
         assert not summary.exists() or "promoted" not in summary.read_text()
 
 
+def test_the_client_installs_torch_s_cpu_build_and_kfp_gets_the_token_from_the_secrets():
+    workflow = load_workflow()
+    install = step_running(workflow, "pip install")["run"]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in install and "-c constraints.txt -e ." in install
+    assert job(workflow)["env"]["KF_PIPELINES_TOKEN"] == "${{ secrets.KF_PIPELINES_TOKEN }}"
+
+
 def test_train_refuses_before_running_when_configuration_is_missing(runner):
     work, env = runner
     env["KFP_HOST"] = ""
-    result = run_step(step_running(load_workflow(), "kfrl train")["run"], work, env)
+    result = run_step(step_running(load_workflow(), "--dry-run")["run"], work, env)
     assert result.returncode != 0
     assert "KFP_HOST" in result.stderr
     assert calls(env) == []
@@ -204,10 +222,10 @@ def test_failed_training_fails_the_job_and_promotes_nothing(runner):
     bad = Path(env["PATH"].split(os.pathsep)[0]) / "kfrl"
     bad.write_text("#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" -- >> \"$KFRL_CALLS\"\nexit 1\n")
     workflow = load_workflow()
-    assert run_step(step_running(workflow, "kfrl train")["run"], work, env).returncode != 0
+    assert run_step(step_running(workflow, "kfrl submit")["run"], work, env).returncode != 0
     # GitHub skips the promote step after a failure (it has no `if:`); run anyway, it finds no
     # summary.json and calls nothing.
     promote = step_running(workflow, "kfrl promote")
     assert "if" not in promote
     assert run_step(promote["run"], work, env).returncode != 0
-    assert [argv[0] for argv in calls(env)] == ["train"]
+    assert [argv[0] for argv in calls(env)] == ["submit"]
