@@ -36,6 +36,13 @@ def find_engine(run: Run) -> str | None:
     return record["url"].rstrip("/") if body.get("run_uri") == run.uri else None
 
 
+def _authorization() -> dict:
+    from kfrl.engine_server import engine_token
+
+    token = engine_token()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def run_on_engine(url: str, stage: str, run_uri: str, iteration: int):
     """Run one stage on the engine and wait for its commit; returns a ``StageResult``."""
     import requests
@@ -44,7 +51,7 @@ def run_on_engine(url: str, stage: str, run_uri: str, iteration: int):
 
     try:
         answer = requests.post(f"{url}/stages", json={"run_uri": run_uri, "iteration": int(iteration),
-                                                      "stage": stage}, timeout=None)
+                                                      "stage": stage}, headers=_authorization(), timeout=None)
     except requests.RequestException as err:
         raise EngineUnavailable(f"engine {url} went away during {stage} of iteration {iteration}: "
                                 f"{type(err).__name__}") from err
@@ -78,22 +85,32 @@ class EngineProcess:
     exits with its parent, its output in ``log_path``."""
 
     def __init__(self, run: Run, log_path, start_timeout_s: float = 120.0, stop_timeout_s: float = 600.0):
+        import secrets
+
         self.run, self.log_path, self.start_timeout_s = run, log_path, start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.proc = None
         self.url: str | None = None
+        self.token = secrets.token_urlsafe(32)  # this run's; the engine and the tasks get it from the environment
+        self._saved_token: str | None = None
 
     def start(self) -> "EngineProcess":
         import os
         import subprocess
         import time
 
+        from kfrl.engine_server import TOKEN_VARIABLE
+
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.run.clear_engine()  # a record left by a killed engine must not be mistaken for this one
+        if self._saved_token is None:  # the driver's KFP tasks inherit its environment: they send it
+            self._saved_token = os.environ.get(TOKEN_VARIABLE, "")
+            os.environ[TOKEN_VARIABLE] = self.token
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kfrl.cli", "engine", "serve", "--run-uri", self.run.uri,
-                 "--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT)
+                 "--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, TOKEN_VARIABLE: self.token})
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -114,12 +131,28 @@ class EngineProcess:
 
         import requests
 
+        self._restore_token()
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
-            requests.post(f"{self.url}/shutdown", timeout=HEALTH_TIMEOUT_S)
+            answer = requests.post(f"{self.url}/shutdown", headers={"Authorization": f"Bearer {self.token}"},
+                                   timeout=HEALTH_TIMEOUT_S)
+            answer.raise_for_status()
             # It finishes writing the last trainer state first (seconds; minutes for a large model).
             self.proc.wait(timeout=self.stop_timeout_s)
         except (requests.RequestException, subprocess.TimeoutExpired, TypeError):
             self.proc.kill()
             self.proc.wait()
+
+    def _restore_token(self) -> None:
+        import os
+
+        from kfrl.engine_server import TOKEN_VARIABLE
+
+        if self._saved_token is None:
+            return
+        if self._saved_token:
+            os.environ[TOKEN_VARIABLE] = self._saved_token
+        else:
+            os.environ.pop(TOKEN_VARIABLE, None)
+        self._saved_token = None

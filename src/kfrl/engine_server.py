@@ -14,6 +14,13 @@ stage still commits to the store, so a killed engine loses at most the stage it 
 API (JSON): ``GET /health`` → ``{"status", "run_uri", "pid", "stages_run"}``; ``POST /stages`` with
 ``{"run_uri", "iteration", "stage"}`` → the stage's result (``StageResult`` fields), or status 500
 with ``{"error"}`` naming the failure; ``POST /shutdown``.
+
+The engine is not an open door: it holds the run's store credentials and its accelerator. ``/stages``
+and ``/shutdown`` need the run's token (``Authorization: Bearer <token>``; 401 without one, 403 with
+another, and nothing changes), and it runs stages of its own run only (409). The token reaches the
+engine and its tasks through the environment (``KFRL_ENGINE_TOKEN``, or a file named by
+``KFRL_ENGINE_TOKEN_FILE``: a mounted Kubernetes secret), never through an argument, a log line or the
+store; ``kfrl train`` makes one per run for the engine it starts.
 """
 from __future__ import annotations
 
@@ -35,23 +42,55 @@ class StageRequest(BaseModel):
     stage: str
 
 
-def create_app(run_uri: str, on_shutdown=None):
-    from fastapi import FastAPI
+TOKEN_VARIABLE, TOKEN_FILE_VARIABLE = "KFRL_ENGINE_TOKEN", "KFRL_ENGINE_TOKEN_FILE"
+MIN_TOKEN_LENGTH = 16
+
+
+def engine_token(environ=os.environ) -> str:
+    """The run's engine token from the environment: ``KFRL_ENGINE_TOKEN``, else the contents of the file
+    ``KFRL_ENGINE_TOKEN_FILE`` names; "" when neither is set."""
+    token = environ.get(TOKEN_VARIABLE, "")
+    path = environ.get(TOKEN_FILE_VARIABLE, "")
+    if not token and path:
+        with open(path) as fh:
+            token = fh.read().strip()
+    return token
+
+
+def create_app(run_uri: str, token: str, on_shutdown=None):
+    import hmac
+
+    from fastapi import FastAPI, Header
     from fastapi.responses import JSONResponse
 
     from kfrl.stages import run_stage
     from kfrl.store import settle_in_flight
 
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ValueError(f"the engine needs a token of at least {MIN_TOKEN_LENGTH} characters "
+                         f"(${TOKEN_VARIABLE} or ${TOKEN_FILE_VARIABLE})")
     app = FastAPI(title="kfrl engine", docs_url=None, redoc_url=None)
     lock = threading.Lock()
     state = {"stages_run": 0}
+    expected = f"Bearer {token}".encode()
+
+    def refusal(given: str) -> JSONResponse | None:
+        if not given:
+            return JSONResponse({"error": "this engine needs the run's token (Authorization: Bearer ...)"},
+                                status_code=401)
+        if not hmac.compare_digest(given.encode(), expected):
+            return JSONResponse({"error": "wrong token for this engine"}, status_code=403)
+        return None
 
     @app.get("/health")
     def health():
         return {"status": "ok", "run_uri": run_uri, "pid": os.getpid(), "stages_run": state["stages_run"]}
 
     @app.post("/stages")
-    def stages(request: StageRequest):  # a plain def: FastAPI runs it in a worker thread
+    def stages(request: StageRequest, authorization: str = Header("")):  # a plain def: run in a worker thread
+        refused = refusal(authorization)
+        if refused is not None:
+            return refused
         if request.run_uri != run_uri:
             return JSONResponse({"error": f"this engine serves {run_uri}, not {request.run_uri}"}, status_code=409)
         with lock:  # one stage at a time: they share the accelerator and the model cache
@@ -71,7 +110,10 @@ def create_app(run_uri: str, on_shutdown=None):
         return dataclasses.asdict(result)
 
     @app.post("/shutdown")
-    def shutdown():
+    def shutdown(authorization: str = Header("")):
+        refused = refusal(authorization)
+        if refused is not None:
+            return refused
         if on_shutdown is not None:
             on_shutdown()
         return {"status": "stopping"}
@@ -97,8 +139,8 @@ def serve(run_uri: str, *, host: str = "127.0.0.1", port: int = 0, advertise: st
         if server is not None:
             server.should_exit = True
 
-    server = uvicorn.Server(uvicorn.Config(create_app(run.uri, on_shutdown=stop), log_level="warning",
-                                           timeout_keep_alive=600))
+    server = uvicorn.Server(uvicorn.Config(create_app(run.uri, engine_token(), on_shutdown=stop),
+                                           log_level="warning", timeout_keep_alive=600))
     if parent_pid:
         threading.Thread(target=_exit_with_parent, args=(parent_pid, stop), daemon=True).start()
     run.set_engine({"url": url, "pid": os.getpid(), "host": socket.gethostname()})
