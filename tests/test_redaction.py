@@ -108,7 +108,8 @@ def test_kfp_run_parameters_and_the_submitted_config_carry_no_credentials():
     from kfrl.submit import pipeline_arguments, submitted_config_text
 
     config = load_config(Path(REPO / "configs/demo.yaml"), ["tracking.uri=http://alice:hunter22@h:5000"])
-    arguments = pipeline_arguments(config, overrides=["tracking.uri=http://alice:hunter22@h:5000"], iterations=3)
+    arguments = pipeline_arguments(config_uri="s3://b/configs/c.yaml",
+                                   overrides=["tracking.uri=http://alice:hunter22@h:5000"], iterations=3)
     assert "hunter22" not in str(arguments) and "alice" not in str(arguments)
     text = submitted_config_text(config)
     assert "http://***@h:5000" in text and "hunter22" not in text

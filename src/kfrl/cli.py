@@ -286,8 +286,8 @@ def submit(
     from kfrl.submit import pipeline_arguments, submit as submit_run
 
     cfg = _cluster_config(config, overrides, store, tracking_uri, host, namespace)
-    arguments = pipeline_arguments(cfg, overrides=[], iterations=iterations, run_id=run_id,
-                                   promote_alias=promote_alias, config_uri=_upload_for_cluster(cfg))
+    arguments = pipeline_arguments(config_uri=_upload_for_cluster(cfg), overrides=[], iterations=iterations,
+                                   run_id=run_id, promote_alias=promote_alias)
     try:
         kfp_run = submit_run(cfg, arguments, run_name=f"{cfg.trainer.experiment_name}-train")
     except Exception as err:  # noqa: BLE001 - connection and API errors: one line
@@ -370,8 +370,8 @@ def schedule(
                       "`kfrl schedule --list` shows them")
             typer.echo(f"deleted recurring run {', '.join(ids)} ({delete})")
             return
-        arguments = pipeline_arguments(cfg, overrides=[], iterations=iterations, promote_alias=promote_alias,
-                                       config_uri=_upload_for_cluster(cfg))
+        arguments = pipeline_arguments(config_uri=_upload_for_cluster(cfg), overrides=[], iterations=iterations,
+                                       promote_alias=promote_alias)
         job, replaced = schedule_runs(cfg, arguments, cron=cron, name=name or f"{cfg.trainer.experiment_name}-nightly")
     except typer.Exit:
         raise

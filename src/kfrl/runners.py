@@ -105,16 +105,16 @@ class ClusterKfpRunner:
                              "or $KF_PIPELINES_ENDPOINT")
         self.config = config
         self._client = None
-        self._pipelines: dict[str, object] = {}  # run URI -> the manifest of its compiled pipelines
+        self._pipelines: dict[str, tuple] = {}  # run URI -> (its store, the manifest of its compiled pipelines)
 
-    def pipelines(self, run_uri: str):
-        """The manifest of the run's compiled pipelines (``pipelines/<digest>`` in its folder)."""
+    def pipelines(self, run_uri: str) -> tuple:
+        """(the run's store, the manifest of its compiled pipelines: ``pipelines/<digest>`` in its folder)."""
         if run_uri not in self._pipelines:
             from kfrl.pipelines.compile import run_pipelines
             from kfrl.run import Run
 
-            self._pipelines[run_uri] = run_pipelines(Run.at(run_uri, **self.config.store.options()).store,
-                                                     self.config)
+            store = Run.at(run_uri, **self.config.store.options()).store
+            self._pipelines[run_uri] = (store, run_pipelines(store, self.config))
         return self._pipelines[run_uri]
 
     @property
@@ -131,11 +131,11 @@ class ClusterKfpRunner:
         from kfrl.stages import always_skipped, run_stage
 
         name = pipeline_for(self.config.pipeline.fuse, pipeline)
-        manifest = self.pipelines(run_uri)
+        store, manifest = self.pipelines(run_uri)
         if name == "rl_iteration":  # the per-stage pipeline has no task for these
             for stage in always_skipped(self.config):
                 run_stage(stage, run_uri, iteration)
-        package = Run.at(run_uri, **self.config.store.options()).store.read_file(manifest, f"{name}.yaml")
+        package = store.read_file(manifest, f"{name}.yaml")
         with tempfile.TemporaryDirectory(prefix="kfrl-submit-") as tmp:
             path = Path(tmp) / f"{name}.yaml"
             path.write_bytes(package)

@@ -66,8 +66,8 @@ def cluster_input_problems(config: Config) -> list[str]:
     return problems
 
 
-def pipeline_arguments(config: Config, *, overrides: list[str], iterations: int | None, run_id: str = "",
-                       promote_alias: str = "", config_uri: str = "") -> dict:
+def pipeline_arguments(*, config_uri: str, overrides: list[str], iterations: int | None, run_id: str = "",
+                       promote_alias: str = "") -> dict:
     """The rl_train parameters that reproduce this config on the cluster: the URI of the config in the
     store (``upload_config``), overrides (redacted), iterations, run id, promotion, runner kfp."""
     from kfrl.redaction import redact
