@@ -70,7 +70,7 @@ def train_once(overrides: list[str]) -> tuple[dict[int, dict[str, float]], float
     from rich.console import Console
 
     from kfrl.config import load_config
-    from kfrl.controller import train
+    from kfrl.driver.controller import train
 
     config = load_config(DEMO_CONFIG, overrides)
     started = time.perf_counter()

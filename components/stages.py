@@ -14,78 +14,78 @@ IMAGE = os.environ.get("KFRL_IMAGE", "ghcr.io/kfrl/kfrl-gpu:0.1.0")
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def rollout_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("rollout", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def gen_max_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("gen_max", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def score_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("score", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def old_logprob_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("old_logprob", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def ref_logprob_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("ref_logprob", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def values_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("values", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def advantage_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("advantage", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def update_critic_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("update_critic", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def update_actor_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("update_actor", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def validate_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_for_kfp
+    from kfrl.driver.kfp_entry import run_for_kfp
     return run_for_kfp("validate", run_uri, iteration, metrics)
 
 
 # Fused components (pipeline.fuse): the same stage functions, fewer processes per iteration.
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def infer_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_group_for_kfp
+    from kfrl.driver.kfp_entry import run_group_for_kfp
     return run_group_for_kfp("infer", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def train_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_group_for_kfp
+    from kfrl.driver.kfp_entry import run_group_for_kfp
     return run_group_for_kfp("train", run_uri, iteration, metrics)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def iteration_op(run_uri: str, iteration: int, metrics: Output[Metrics]) -> str:
-    from kfrl.stages.kfp_entry import run_group_for_kfp
+    from kfrl.driver.kfp_entry import run_group_for_kfp
     return run_group_for_kfp("iteration", run_uri, iteration, metrics)

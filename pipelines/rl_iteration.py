@@ -38,7 +38,8 @@ from kfrl.components.stages import (
     validate_op,
     values_op,
 )
-from kfrl.components.train import train_driver_op
+from kfrl.components.train import engine_cleanup_op, train_driver_op
+from kfrl.driver.engine.client import REQUIRED_VARIABLE as ENGINE_REQUIRED_VARIABLE
 from kfrl.stages import STAGES, always_skipped, pipeline_edges
 
 PIPELINE_NAME = "kfrl-rl-iteration"
@@ -56,7 +57,11 @@ GPU_TASKS = {"rollout", "gen_max", "old_logprob", "ref_logprob", "values", "upda
 MULTI_NODE_TASKS = {"update_actor", "update_critic", "train"}
 # Set by kfrl.pipelines.compile while compiling for a cluster (the config, or only its `cluster`
 # section, and whether a reward model makes scoring a GPU task); None compiles plain tasks.
-CLUSTER: dict = {"config": None, "gpu_tasks": GPU_TASKS}
+# "engine": a kfrl.driver.engine.workload.EngineBinding when the run has an engine on the cluster.
+CLUSTER: dict = {"config": None, "gpu_tasks": GPU_TASKS, "engine": None}
+# A task of a run with a cluster engine that finds no live engine fails and is retried while the
+# driver replaces the engine (its pod is recreated within minutes): 30 s, 60 s, ... up to 5 min apart.
+ENGINE_CLIENT_RETRIES = 5
 
 
 def _task(task, name: str):
@@ -66,7 +71,39 @@ def _task(task, name: str):
     task.set_retry(num_retries=RETRIES, backoff_duration="5s", backoff_factor=2.0)
     if CLUSTER["config"] is not None:
         cluster, gpu, gpus = task_shape(CLUSTER["config"], name, CLUSTER["gpu_tasks"])
+        engine = CLUSTER["engine"] if name != "driver" else None
+        if engine is not None and gpu:  # the engine runs it: this task is a CPU-only client
+            gpu, gpus = False, 0
+            task.set_env_variable(ENGINE_REQUIRED_VARIABLE, "1")
+            task.set_retry(num_retries=ENGINE_CLIENT_RETRIES, backoff_duration="30s", backoff_factor=2.0,
+                           backoff_max_duration="300s")
         shape_for_cluster(task, cluster, gpu=gpu, gpus=gpus)
+        if engine is not None:
+            bind_to_engine(task, engine)
+    return task
+
+
+def bind_to_engine(task, engine):
+    """A task of a run whose engine lives on the cluster: it carries the run's label (the engine's
+    NetworkPolicy admits only those pods) and the run's engine token, from the secret the driver made."""
+    from kfp import kubernetes
+
+    from kfrl.driver.engine.workload import LABEL_RUN, TOKEN_KEY
+
+    kubernetes.add_pod_label(task, LABEL_RUN, engine.run_label)
+    kubernetes.use_secret_as_env(task, secret_name=engine.secret_name, secret_key_to_env={TOKEN_KEY: TOKEN_KEY})
+    return task
+
+
+def owned_by_its_pod(task):
+    """The driver's pod name and uid (the downward API), so the engine it creates is owned by it and
+    Kubernetes deletes the engine when the driver's pod goes."""
+    from kfp import kubernetes
+
+    from kfrl.driver.engine.workload import POD_NAME_VARIABLE, POD_UID_VARIABLE
+
+    kubernetes.use_field_path_as_env(task, env_name=POD_NAME_VARIABLE, field_path="metadata.name")
+    kubernetes.use_field_path_as_env(task, env_name=POD_UID_VARIABLE, field_path="metadata.uid")
     return task
 
 
@@ -81,7 +118,7 @@ def task_shape(config, name: str, gpu_tasks=GPU_TASKS) -> tuple:
     cluster = getattr(config, "cluster", config)
     if cluster is config:
         return cluster, name in gpu_tasks, None
-    from kfrl.distributed.multinode import gpus_per_node
+    from kfrl.kube import gpus_per_node
 
     gpu = name in gpu_tasks and not (config.trainer.nnodes > 1 and name in MULTI_NODE_TASKS)
     return cluster, gpu, gpus_per_node(config) if gpu else None
@@ -198,7 +235,7 @@ def build_pipelines() -> dict:
                   "KFP UI or on a schedule (`kfrl schedule`).")
     def rl_train(config_uri: str = "", model_path: str = "", train_files: str = "", val_files: str = "",
                  store_uri: str = "", tracking_uri: str = "", experiment_name: str = "", iterations: int = 0,
-                 run_id: str = "", overrides: str = "", promote_alias: str = "", runner: str = "kfp") -> str:
+                 run_id: str = "", overrides: str = "", promote_alias: str = "", runner: str = "kfp"):
         """A whole training run.
 
         Args:
@@ -215,12 +252,19 @@ def build_pipelines() -> dict:
             promote_alias: After training, move this MLflow alias (e.g. champion) to the new version when its validation metric is better; empty = do not promote.
             runner: How iterations run: kfp (runs on this cluster), local or inline (inside this task; for tests).
         """
-        driver = train_driver_op(config_uri=config_uri, model_path=model_path, train_files=train_files,
-                                 val_files=val_files, store_uri=store_uri, tracking_uri=tracking_uri,
-                                 experiment_name=experiment_name, iterations=iterations, run_id=run_id,
-                                 overrides=overrides, promote_alias=promote_alias, runner=runner,
-                                 kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-        return _task(driver, "driver").outputs["Output"]
+        # Whatever ends the run (success, failure, cancellation), the run's engine objects go with it.
+        cleanup = _task(engine_cleanup_op(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, runner=runner), "cleanup")
+        cleanup.set_retry(num_retries=RETRIES, backoff_duration="5s", backoff_factor=2.0)
+        with dsl.ExitHandler(cleanup, name="engine-cleanup"):
+            driver = train_driver_op(config_uri=config_uri, model_path=model_path, train_files=train_files,
+                                     val_files=val_files, store_uri=store_uri, tracking_uri=tracking_uri,
+                                     experiment_name=experiment_name, iterations=iterations, run_id=run_id,
+                                     overrides=overrides, promote_alias=promote_alias, runner=runner,
+                                     kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+            _task(driver, "driver")
+            owned_by_its_pod(driver)
+        # No pipeline output: KFP cannot return one from inside an exit handler. The run's URI is the
+        # driver task's output and in its summary metrics; `kfrl submit --wait` reads summary.json.
 
     return {"rl_iteration": rl_iteration, "rl_iteration_fused": rl_iteration_fused,
             "rl_iteration_single": rl_iteration_single, "rl_validate": rl_validate, "rl_train": rl_train}

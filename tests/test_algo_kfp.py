@@ -6,7 +6,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kfrl.config import load_config
-from kfrl.controller import train
+from kfrl.driver.controller import train
 from kfrl.store import Store
 
 pytestmark = pytest.mark.slow

@@ -299,7 +299,7 @@ def test_submit_starts_one_training_run(fake_kfp, s3_bucket):
     (["RUNNING", "FAILED"], None, 1)])
 def test_submit_wait_follows_the_run_and_exits_as_kfrl_train_does(fake_kfp, s3_bucket, tmp_path, states,
                                                                    promoted, status):
-    from kfrl.stages.kfp_entry import SUMMARY_FILE, driver_run_id
+    from kfrl.driver.kfp_entry import SUMMARY_FILE, driver_run_id
     from kfrl.store import Store
 
     fake_kfp.run_states = list(states)
@@ -338,7 +338,7 @@ def test_submit_refuses_what_the_cluster_cannot_run_before_anything_is_sent(fake
 
 
 def test_the_driver_reads_the_config_from_its_uri_and_names_a_missing_one(tmp_path):
-    from kfrl.stages.kfp_entry import read_config_text
+    from kfrl.driver.kfp_entry import read_config_text
 
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "a.yaml").write_text("trainer:\n  experiment_name: x\n")
@@ -381,7 +381,7 @@ def test_the_training_pipeline_drives_a_run_through_the_local_runner_as_kfrl_tra
     from kfp import local
     from mlflow import MlflowClient
 
-    from kfrl.controller import train
+    from kfrl.driver.controller import train
     from kfrl.pipelines.rl_iteration import PIPELINES
 
     small = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=16",
@@ -397,10 +397,11 @@ def test_the_training_pipeline_drives_a_run_through_the_local_runner_as_kfrl_tra
                                      tracking_uri=mlflow_server, iterations=2, run_id="from-kfp",
                                      overrides=" ".join(small), runner="local")
     finally:
-        import kfrl.runners
+        import kfrl.driver.local
 
-        kfrl.runners._LOCAL_ROOT = None  # the local runner's settings here belong to this test
-    run_uri = task.output if hasattr(task, "output") else task.outputs["Output"]
+        kfrl.driver.local._LOCAL_ROOT = None  # the local runner's settings here belong to this test
+    assert task is not None  # the pipeline ran (its exit handler too): the run is where its store and id say
+    run_uri = str(tmp_path / "pipe-store" / "pipe" / "from-kfp")
     run = Run.at(run_uri)
     assert run.latest() == 2
     left = json.loads((Path(run_uri) / "summary.json").read_text())  # what `kfrl submit --wait` reads

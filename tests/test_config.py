@@ -1,7 +1,7 @@
 import pytest
 
 from kfrl.config import Config, ConfigError, load_config, nearest_key, valid_keys
-from kfrl.controller import resolve_resume
+from kfrl.driver.controller import resolve_resume
 
 
 def test_defaults_validate_and_flatten():

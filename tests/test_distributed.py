@@ -302,7 +302,7 @@ def test_deepspeed_that_is_not_installed_is_one_line_naming_the_extra():
                           run_uri="/nowhere", iteration=1, device="cpu")
     with pytest.raises(DistributedUpdateError, match=r"needs DeepSpeed, which is not installed: pip install "
                                                       r"kfrl\[gpu\], or use actor.strategy=fsdp2"):
-        run_distributed_update(ctx, "actor", 2)
+        run_distributed_update(ctx, "actor", "update_actor", 2)
 
 
 def test_the_trainjob_command_under_torchrun_commits_what_the_launcher_commits(ppo_runs, tmp_path):
@@ -317,7 +317,7 @@ def test_the_trainjob_command_under_torchrun_commits_what_the_launcher_commits(p
     uri, run, expected = without_actor_update(ppo_runs[1], tmp_path)
     config = load_config(Path("configs/demo.yaml"), SMALL + PPO + ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"])
     command = trainjob_manifest(config, uri, 1, "actor", "kfrl-test")["spec"]["trainer"]["command"]
-    assert command[:3] == ["torchrun", "-m", "kfrl.distributed.update_worker"]
+    assert command[:3] == ["torchrun", "-m", "kfrl.stages.update_worker"]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -19,8 +19,8 @@ SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2"
 
 
 def test_requests_without_the_runs_token_or_for_another_run_are_refused(tmp_path):
-    from kfrl.engine_client import EngineProcess
-    from kfrl.engine_server import TOKEN_VARIABLE
+    from kfrl.driver.engine.client import EngineProcess
+    from kfrl.driver.engine.server import TOKEN_VARIABLE
     from kfrl.stages.prepare import prepare_run
 
     config = load_config(REPO / "configs/demo.yaml", SMALL + [f"store.uri={tmp_path / 's'}"])
@@ -65,7 +65,7 @@ def test_an_engine_without_a_token_does_not_start(tmp_path):
     assert result.returncode != 0 and "KFRL_ENGINE_TOKEN" in result.stderr
     assert run.engine() is None
     # A token from a file (a mounted Kubernetes secret) is read like the variable.
-    from kfrl.engine_server import engine_token
+    from kfrl.driver.engine.server import engine_token
 
     (tmp_path / "token").write_text("s3cr3t-token-from-a-secret\n")
     assert engine_token({"KFRL_ENGINE_TOKEN_FILE": str(tmp_path / "token")}) == "s3cr3t-token-from-a-secret"

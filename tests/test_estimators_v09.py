@@ -258,7 +258,7 @@ SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4"
 
 
 def _train(tmp_path: Path, *extra):
-    from kfrl.controller import train
+    from kfrl.driver.controller import train
 
     config = load_config(Path("configs/demo.yaml"), SMALL + [f"store.uri={tmp_path / 'store'}",
                                                              f"tracking.uri=sqlite:///{tmp_path}/m.db", *extra])

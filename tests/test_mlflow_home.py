@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from kfrl.cli import app
 from kfrl.config import load_config
-from kfrl.controller import train
+from kfrl.driver.controller import train
 from kfrl.registry import PromotionRefused, promote
 from kfrl.run import Run
 from kfrl.tracking import Tracker

@@ -55,7 +55,7 @@ def test_trainjob_manifest_follows_the_trainer_v1alpha1_schema():
     trainer = spec["trainer"]
     assert trainer["image"] == cfg.cluster.image
     # torchrun takes nodes, processes, rank and master from the runtime's PET_* variables.
-    assert trainer["command"] == ["torchrun", "-m", "kfrl.distributed.update_worker", "--run-uri", RUN_URI,
+    assert trainer["command"] == ["torchrun", "-m", "kfrl.stages.update_worker", "--run-uri", RUN_URI,
                                   "--iteration", "7", "--role", "actor"]
     assert trainer["numNodes"] == 3 and trainer["numProcPerNode"] == 4
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": "4", "cpu": "8", "memory": "64G"}
@@ -115,7 +115,7 @@ def test_pytorchjob_manifest_is_a_master_and_workers():
         assert (shell, flag) == ("/bin/sh", "-c")
         assert script.startswith("exec torchrun --nnodes=3 --nproc-per-node=4 ")
         assert '--node-rank="${PET_NODE_RANK:-${RANK:-0}}"' in script and "$MASTER_ADDR" in script
-        assert script.endswith(f"-m kfrl.distributed.update_worker --run-uri {RUN_URI} --iteration 2 --role critic")
+        assert script.endswith(f"-m kfrl.stages.update_worker --run-uri {RUN_URI} --iteration 2 --role critic")
         assert {e["name"] for e in container["env"] if "valueFrom" in e} == set(cfg.cluster.secret_keys)
     single = pytorchjob_manifest(config("trainer.nnodes=1"), RUN_URI, 2, "critic", "j")
     assert set(single["spec"]["pytorchReplicaSpecs"]) == {"Master"}

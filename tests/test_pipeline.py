@@ -9,7 +9,8 @@ import yaml
 
 from kfrl.config import load_config
 from kfrl.pipelines.compile import compile_pipelines, compiled_path
-from kfrl.runners import ClusterKfpRunner, IterationFailed
+from kfrl.driver import IterationFailed
+from kfrl.driver.cluster import ClusterKfpRunner
 
 
 def test_committed_yaml_is_up_to_date(tmp_path):
@@ -95,6 +96,7 @@ def test_cluster_runner_submits_the_runs_own_compiled_pipeline_and_records_the_s
         cfg = load_config(Path("configs/demo.yaml"), [
             "pipeline.runner=kfp", f"pipeline.host=http://127.0.0.1:{server.server_address[1]}",
             f"store.uri={tmp_path}", "cluster.image=registry.example/kfrl-gpu:7", "data.train_batch_size=8",
+            "pipeline.engines=per_task",  # GPU tasks that load their models (with the engine: tests/test_engine_workload.py)
             "actor.ppo_mini_batch_size=8", "rollout.n=2"])
         run_uri = str(tmp_path / "demo" / "r1")
         prepare_run(Store(run_uri), cfg)

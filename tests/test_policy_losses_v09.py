@@ -536,7 +536,7 @@ def test_each_new_mode_trains_end_to_end_and_its_stored_loss_is_recomputable(tmp
 
     from kfrl.algos import policy_loss as recompute
     from kfrl.config import load_config
-    from kfrl.controller import train
+    from kfrl.driver.controller import train
     from kfrl.engines.actor import LOSS_GENERATOR_SEED_OFFSET
     from kfrl.run import Run
     from kfrl.stages.context import StageContext

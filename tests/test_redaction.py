@@ -83,7 +83,7 @@ def test_the_config_object_keeps_its_values_and_only_its_text_forms_are_redacted
 
 def test_a_resumed_run_takes_the_given_value_for_one_stored_redacted():
     from kfrl.config import config_from_yaml_text
-    from kfrl.controller import resolve_resume
+    from kfrl.driver.controller import resolve_resume
 
     given = load_config(Path(REPO / "configs/demo.yaml"), ["model.path=https://bob:s3cret@models.example/m"])
     stored = config_from_yaml_text(given.to_yaml())
@@ -105,7 +105,7 @@ def test_credentials_redacted_on_the_way_are_not_taken_for_a_user(monkeypatch):
 
 
 def test_kfp_run_parameters_and_the_submitted_config_carry_no_credentials():
-    from kfrl.submit import pipeline_arguments, submitted_config_text
+    from kfrl.driver.submit import pipeline_arguments, submitted_config_text
 
     config = load_config(Path(REPO / "configs/demo.yaml"), ["tracking.uri=http://alice:hunter22@h:5000"])
     arguments = pipeline_arguments(config_uri="s3://b/configs/c.yaml",
@@ -138,7 +138,7 @@ def test_an_error_naming_a_uri_with_credentials_is_redacted(tmp_path):
 
 
 def test_stored_config_yaml_has_no_secret_named_values(tmp_path):
-    from kfrl.controller import train
+    from kfrl.driver.controller import train
 
     config = load_config(demo_with_a_secret_key(tmp_path), [
         f"store.uri={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path}/m.db", "pipeline.runner=inline",

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from kfrl.cli import app
 from kfrl.config import ConfigError, load_config
-from kfrl.controller import TrainingRefused, train
+from kfrl.driver.controller import TrainingRefused, train
 from kfrl.run import Run
 from kfrl.store import CorruptManifestError, Store
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kfrl.config import load_config
-from kfrl.controller import train
+from kfrl.driver.controller import train
 from kfrl.run import Run
 from kfrl.stages import STAGES
 from run_tables import committed_tables
@@ -62,13 +62,13 @@ def test_resident_and_per_task_commit_the_same_batches_and_resident_is_faster(tm
 
 
 def test_a_task_without_an_engine_runs_the_stage_itself_and_never_imports_torch_with_one(tmp_path):
-    from kfrl.engine_client import EngineProcess
+    from kfrl.driver.engine.client import EngineProcess
     from kfrl.stages.prepare import prepare_run
 
     config = load_config(Path("configs/demo.yaml"), SMALL + [f"store.uri={tmp_path / 's'}"])
     run = Run.at(str(tmp_path / "s" / "demo" / "r"))
     prepare_run(run.store, config)
-    probe = ("import sys; from kfrl.engine_client import dispatch; r = dispatch(sys.argv[2], sys.argv[1], 1); "
+    probe = ("import sys; from kfrl.driver.engine.client import dispatch; r = dispatch(sys.argv[2], sys.argv[1], 1); "
              "print(r.stage, r.cached, 'torch' in sys.modules)")
     engine = EngineProcess(run, tmp_path / "engine.log").start()
     try:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from kfrl import stages
 from kfrl.config import load_config
-from kfrl.controller import train
+from kfrl.driver.controller import train
 from kfrl.run import Run
 from kfrl.stages import STAGES, context, update
 from run_tables import committed_tables

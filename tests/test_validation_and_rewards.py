@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from rich.console import Console
 
 from kfrl.config import load_config
-from kfrl.controller import train
+from kfrl.driver.controller import train
 from kfrl.data.dataset import DatasetError, tokenize_prompt, tokenize_prompts
 from kfrl.run import Run, stage_prefix
 from kfrl.stages import run_stage
@@ -63,7 +63,7 @@ def test_validation_schedule_follows_test_freq_and_the_last_iteration():
 
 
 def test_total_epochs_sets_iterations_from_the_data(tmp_path):
-    from kfrl.controller import resolve_total
+    from kfrl.driver.controller import resolve_total
 
     cfg = load_config(None, ["data.train_batch_size=100", "actor.ppo_mini_batch_size=50", "data.builtin_train_size=1050",
                              "trainer.total_epochs=3"])

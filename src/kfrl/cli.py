@@ -1,4 +1,4 @@
-"""`kfrl` command line: a thin layer over kfrl.controller and kfrl.pipelines."""
+"""`kfrl` command line: a thin layer over kfrl.driver.controller and kfrl.pipelines."""
 from __future__ import annotations
 
 import os
@@ -79,7 +79,7 @@ def train(
     if iterations is not None:
         cfg.trainer.total_iterations = iterations
     if dry_run:
-        from kfrl import dryrun
+        from kfrl.driver import dryrun
 
         report, warnings = dryrun.report(cfg)
         typer.echo(cfg.to_yaml())
@@ -89,9 +89,9 @@ def train(
         if strict and warnings:
             _fail(f"--strict: {len(warnings)} warning(s) above")
         return
-    from kfrl.controller import TrainingRefused
-    from kfrl.controller import train as run_training
-    from kfrl.runners import IterationFailed
+    from kfrl.driver.controller import TrainingRefused
+    from kfrl.driver.controller import train as run_training
+    from kfrl.driver import IterationFailed
     from kfrl.tracking import TrackingError
 
     try:
@@ -162,7 +162,7 @@ def engine_serve(
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="stop when this process exits"),
 ):
     """Serve a run's stages (kfrl train starts it for the local runner with pipeline.engines=resident)."""
-    from kfrl.engine_server import serve
+    from kfrl.driver.engine.server import serve
 
     try:
         serve(run_uri, host=host, port=port, advertise=advertise, parent_pid=parent_pid)
@@ -248,10 +248,10 @@ def _cluster_config(config, overrides, store, tracking_uri, host, namespace):
 
 
 def _upload_for_cluster(cfg) -> str:
-    """The config in the store for the cluster (``kfrl.submit.upload_config``), after refusing (exit 2)
+    """The config in the store for the cluster (``kfrl.driver.submit.upload_config``), after refusing (exit 2)
     what the cluster cannot run."""
     from kfrl.store import StoreError
-    from kfrl.submit import cluster_input_problems, upload_config
+    from kfrl.driver.submit import cluster_input_problems, upload_config
 
     problems = cluster_input_problems(cfg)
     if problems:
@@ -283,7 +283,7 @@ def submit(
 ):
     """Start the training pipeline (rl_train) on a KFP cluster: it prepares the run and drives every
     iteration there. Prints the KFP run id; with --wait follows it to its end (for CI)."""
-    from kfrl.submit import pipeline_arguments, submit as submit_run
+    from kfrl.driver.submit import pipeline_arguments, submit as submit_run
 
     cfg = _cluster_config(config, overrides, store, tracking_uri, host, namespace)
     arguments = pipeline_arguments(config_uri=_upload_for_cluster(cfg), overrides=[], iterations=iterations,
@@ -300,8 +300,8 @@ def submit(
 
 def _follow(cfg, kfp_run: str, run_id: str, promote_alias: str, json_out, poll_seconds: float, timeout) -> None:
     """``kfrl submit --wait``: the run's states as they change, then its summary and exit status."""
-    from kfrl.stages.kfp_entry import driver_run_id
-    from kfrl.submit import training_summary, wait_for_training_run
+    from kfrl.driver.kfp_entry import driver_run_id
+    from kfrl.driver.submit import training_summary, wait_for_training_run
 
     run_id = run_id or driver_run_id(kfp_run)
     try:
@@ -345,7 +345,7 @@ def schedule(
     """A KFP recurring run of the training pipeline: each run is a new kfrl run (e.g. continuing from
     model.path=models:/<name>@champion), at most one at a time, missed runs not caught up. Scheduling
     a name again replaces its recurring run; --list shows them, --delete NAME removes one."""
-    from kfrl.submit import delete_schedule, kfp_cron, pipeline_arguments, schedule as schedule_runs, schedule_rows
+    from kfrl.driver.submit import delete_schedule, kfp_cron, pipeline_arguments, schedule as schedule_runs, schedule_rows
 
     if sum([bool(cron), list_, delete is not None]) != 1:
         _fail("give one of --cron (schedule), --list or --delete NAME")

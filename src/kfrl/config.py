@@ -348,10 +348,12 @@ class PipelineConfig(Section):
     # and train (advantage, critic and actor updates, validation). "all": one task per iteration. Each task is a new process that pays
     # ~4.5 s of torch/transformers imports on 2 CPU cores, so fusing matters on the local runner.
     fuse: Literal["none", "weights", "all"] = "none"
-    # "resident": with the local runner, `kfrl train` starts one engine process for the run
-    # (`kfrl engine serve`) that keeps models loaded across stages and iterations; KFP tasks hand
-    # their stage to it and return when it is committed (a task that finds no engine runs the stage
-    # itself). "per_task": every task loads what it needs. The inline runner is resident by nature.
+    # "resident": `kfrl train` starts one engine process for the run (`kfrl engine serve`) that keeps
+    # models loaded across stages and iterations; KFP tasks hand their stage to it and return when it
+    # is committed. Local runner: a child process (a task that finds no engine runs the stage itself).
+    # Cluster (runner=kfp, trainer.nnodes=1): a Pod + Service the driver creates, owns and deletes; the
+    # GPU stages' tasks are then CPU-only clients. "per_task": every task loads what it needs. The
+    # inline runner is resident by nature.
     engines: Literal["resident", "per_task"] = "resident"
     # The KFP API (runner=kfp, kfrl submit/schedule); "" = $KF_PIPELINES_ENDPOINT. namespace: the
     # Kubeflow profile namespace of multi-user KFP ("" = $KF_PIPELINES_NAMESPACE, else the client's

@@ -103,19 +103,16 @@ def run_processes(argv: list[str], world_size: int, *, what: str, cpu: bool, env
                                      f"(the other processes were stopped); its last lines: {last}")
 
 
-def run_distributed_update(ctx, role_name: str, world_size: int) -> None:
-    """``update_<role_name>`` of ``ctx``'s iteration over ``world_size`` local processes (one per device);
-    returns when rank 0 has committed it."""
-    from kfrl.stages.update import ROLES
-
-    stage = ROLES[role_name].stage
+def run_distributed_update(ctx, role_name: str, stage: str, world_size: int) -> None:
+    """``stage`` (``update_<role_name>``) of ``ctx``'s iteration over ``world_size`` local processes
+    (one per device); returns when rank 0 has committed it."""
     if strategy_of(ctx.config) == "deepspeed":
         import importlib.util
 
         if importlib.util.find_spec("deepspeed") is None:
             raise DistributedUpdateError("actor.strategy=deepspeed needs DeepSpeed, which is not installed: "
                                          "pip install kfrl[gpu], or use actor.strategy=fsdp2")
-    argv = [sys.executable, "-m", "kfrl.distributed.update_worker", "--run-uri", ctx.run_uri,
+    argv = [sys.executable, "-m", "kfrl.stages.update_worker", "--run-uri", ctx.run_uri,
             "--iteration", str(ctx.iteration), "--role", role_name]
     print(f"[kfrl] {stage} of iteration {ctx.iteration}: starting {world_size} worker processes", file=sys.stderr,
           flush=True)

@@ -2,7 +2,7 @@
 
 The KFP task of ``update_actor`` / ``update_critic`` does not train: it submits one job of
 ``trainer.nnodes`` pods, ``trainer.n_gpus_per_node`` processes each, every process running
-``python -m kfrl.distributed.update_worker`` under torchrun, waits for it, and checks that the job
+``python -m kfrl.stages.update_worker`` under torchrun, waits for it, and checks that the job
 committed the stage to the run's store (rank 0 commits; the store is the only hand-off).
 
 Two kinds of job (``cluster.multi_node``):
@@ -11,7 +11,7 @@ Two kinds of job (``cluster.multi_node``):
   ClusterTrainingRuntime ``cluster.multi_node_runtime`` (torch-distributed). The runtime's Torch
   plugin gives the ``node`` container torchrun's settings as ``PET_NNODES``, ``PET_NPROC_PER_NODE``,
   ``PET_NODE_RANK``, ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT``, which torchrun reads, so the command
-  is plain ``torchrun -m kfrl.distributed.update_worker ...``. Placement (node selector, tolerations)
+  is plain ``torchrun -m kfrl.stages.update_worker ...``. Placement (node selector, tolerations)
   and /dev/shm go in the override field of the Trainer release: ``podTemplateOverrides`` (v2.1) or
   ``runtimePatches`` (v2.2, which removed podTemplateOverrides). The job is created with strict field
   validation, so a server that does not know the field rejects it (instead of dropping the placement
@@ -27,21 +27,19 @@ submitted (409 AlreadyExists: it attaches and waits) instead of starting a secon
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shlex
 import time
 from dataclasses import dataclass
 
+from kfrl.kube import (KubernetesUnavailable, api_configuration, gpu_resources, label_value, node_selector,
+                       pod_tolerations, secret_env, shm_volume, workload_namespace)
 from kfrl.run import CRITIC_STAGE, POLICY_STAGE, stage_prefix
 
-WORKER_MODULE = "kfrl.distributed.update_worker"
+WORKER_MODULE = "kfrl.stages.update_worker"
 ROLE_STAGES = {"actor": POLICY_STAGE, "critic": CRITIC_STAGE}
 LABEL_RUN, LABEL_ITERATION, LABEL_ROLE = "kfrl.run", "kfrl.iteration", "kfrl.role"
 ANNOTATION_RUN_URI = "kfrl.run-uri"
-DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
-GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
-SHM_VOLUME = "dshm"
 # Job names stay short: the pods' hostnames (TrainJob: <name>-node-<i>-0; PyTorchJob:
 # <name>-worker-<i>) and the JobSet's names must remain DNS labels (63 characters).
 MAX_NAME = 45
@@ -50,7 +48,6 @@ OVERRIDE_FIELDS = ("podTemplateOverrides", "runtimePatches")
 RUNTIME_PATCH_MANAGER = "kfrl"
 TRAINJOB_NODE = "node"  # the torch-distributed runtime's replicated job and container
 PYTORCHJOB_CONTAINER, PYTORCHJOB_PORT_NAME, PYTORCHJOB_PORT = "pytorch", "pytorchjob-port", 23456
-SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
 class MultiNodeError(RuntimeError):
@@ -85,21 +82,6 @@ KINDS = {
 
 # --- what every node runs, on what -------------------------------------------------------------------
 
-def gpus_per_node(cfg) -> int:
-    """Accelerators per GPU pod: one per process (``trainer.n_gpus_per_node``) unless ``trainer.device``
-    is cpu; ``cluster.gpu_stages.gpus`` may ask for more. The KFP GPU tasks use the same rule."""
-    asked = cfg.cluster.gpu_stages.gpus
-    return asked if cfg.trainer.device == "cpu" else max(asked, cfg.trainer.n_gpus_per_node)
-
-
-def gpu_resource(cluster) -> str:
-    """The extended resource to ask for: ``cluster.gpu_stages.accelerator`` when it is a resource name
-    (``nvidia.com/gpu``, ``amd.com/gpu``), else nvidia.com/gpu (a GKE accelerator type then selects the
-    nodes, see ``_node_selector``)."""
-    accelerator = cluster.gpu_stages.accelerator
-    return accelerator if "/" in accelerator else DEFAULT_GPU_RESOURCE
-
-
 def worker_args(run_uri: str, iteration: int, role: str) -> list[str]:
     return ["--run-uri", run_uri, "--iteration", str(int(iteration)), "--role", role]
 
@@ -116,15 +98,10 @@ def job_name(run_uri: str, iteration: int, role: str) -> str:
     return f"kfrl-{slug}{tail}" if slug else f"kfrl{tail}"
 
 
-def _label_value(text: str) -> str:
-    value = re.sub(r"[^A-Za-z0-9_.-]", "-", text)[:63]
-    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
-
-
 def _metadata(run_uri: str, iteration: int, role: str, name: str, namespace: str | None) -> dict:
     metadata = {
         "name": name,
-        "labels": {LABEL_RUN: _label_value(run_uri.rstrip("/").rsplit("/", 1)[-1]),
+        "labels": {LABEL_RUN: label_value(run_uri.rstrip("/").rsplit("/", 1)[-1]),
                    LABEL_ITERATION: str(int(iteration)), LABEL_ROLE: role},
         "annotations": {ANNOTATION_RUN_URI: run_uri},
     }
@@ -133,62 +110,11 @@ def _metadata(run_uri: str, iteration: int, role: str, name: str, namespace: str
     return metadata
 
 
-def _env(cluster) -> list[dict]:
-    """The credentials secret's keys as environment variables (optional: keys missing from the secret
-    are skipped, as in the KFP tasks), and unbuffered output for live logs."""
-    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
-    if cluster.secret:
-        env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": cluster.secret, "key": key, "optional": True}}}
-                for key in cluster.secret_keys]
-    return env
-
-
-def _resources(cfg) -> dict:
-    """Requests = limits per node: the GPUs, and ``cluster.gpu_stages`` cpu/memory."""
-    stages = cfg.cluster.gpu_stages
-    limits = {}
-    gpus = gpus_per_node(cfg)
-    if gpus:
-        limits[gpu_resource(cfg.cluster)] = str(gpus)
-    if stages.cpu:
-        limits["cpu"] = stages.cpu
-    if stages.memory:
-        limits["memory"] = stages.memory
-    return {"requests": dict(limits), "limits": limits} if limits else {}
-
-
-def _node_selector(cluster) -> dict:
-    selector = dict(cluster.node_selector)
-    accelerator = cluster.gpu_stages.accelerator
-    if accelerator and "/" not in accelerator:  # a GKE accelerator type, e.g. nvidia-h100-80gb
-        selector.setdefault(GKE_ACCELERATOR_LABEL, accelerator)
-    return selector
-
-
-def _tolerations(cluster) -> list[dict]:
-    out = []
-    for toleration in cluster.tolerations:
-        entry = {"operator": toleration.operator}
-        for key in ("key", "value", "effect"):
-            if getattr(toleration, key):
-                entry[key] = getattr(toleration, key)
-        out.append(entry)
-    return out
-
-
-def _shm(cluster) -> tuple[list[dict], list[dict]]:
-    """(volumes, volume mounts) of a memory-backed /dev/shm of ``cluster.shm_size`` (NCCL needs it)."""
-    if not cluster.shm_size:
-        return [], []
-    return ([{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": cluster.shm_size}}],
-            [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}])
-
-
 def _pod_overrides(cluster) -> dict:
     """What the TrainJob changes in the runtime's ``node`` pods: placement and /dev/shm ({} = nothing)."""
     spec: dict = {}
-    selector, tolerations = _node_selector(cluster), _tolerations(cluster)
-    volumes, mounts = _shm(cluster)
+    selector, tolerations = node_selector(cluster), pod_tolerations(cluster)
+    volumes, mounts = shm_volume(cluster)
     if selector:
         spec["nodeSelector"] = selector
     if tolerations:
@@ -211,11 +137,11 @@ def trainjob_manifest(cfg, run_uri: str, iteration: int, role: str, name: str, *
         "image": cluster.image,
         # torchrun reads the runtime's PET_NNODES / PET_NPROC_PER_NODE / PET_NODE_RANK / PET_MASTER_*.
         "command": ["torchrun", "-m", WORKER_MODULE, *worker_args(run_uri, iteration, role)],
-        "env": _env(cluster),
+        "env": secret_env(cluster),
         "numNodes": int(cfg.trainer.nnodes),
         "numProcPerNode": int(cfg.trainer.n_gpus_per_node),
     }
-    resources = _resources(cfg)
+    resources = gpu_resources(cfg)
     if resources:
         trainer["resourcesPerNode"] = resources
     spec: dict = {
@@ -251,15 +177,15 @@ def pytorchjob_manifest(cfg, run_uri: str, iteration: int, role: str, name: str,
     """A training-operator PyTorchJob running the update worker: Master ×1 + Worker ×(nnodes - 1)."""
     cluster = cfg.cluster
     metadata = _metadata(run_uri, iteration, role, name, namespace)
-    volumes, mounts = _shm(cluster)
+    volumes, mounts = shm_volume(cluster)
     container = {
         "name": PYTORCHJOB_CONTAINER,
         "image": cluster.image,
         "command": pytorchjob_command(cfg, run_uri, iteration, role),
-        "env": _env(cluster),
+        "env": secret_env(cluster),
         "ports": [{"name": PYTORCHJOB_PORT_NAME, "containerPort": PYTORCHJOB_PORT}],
     }
-    resources = _resources(cfg)
+    resources = gpu_resources(cfg)
     if resources:
         container["resources"] = resources
     if mounts:
@@ -267,10 +193,10 @@ def pytorchjob_manifest(cfg, run_uri: str, iteration: int, role: str, name: str,
     pod: dict = {"containers": [container]}
     if volumes:
         pod["volumes"] = volumes
-    if _node_selector(cluster):
-        pod["nodeSelector"] = _node_selector(cluster)
-    if _tolerations(cluster):
-        pod["tolerations"] = _tolerations(cluster)
+    if node_selector(cluster):
+        pod["nodeSelector"] = node_selector(cluster)
+    if pod_tolerations(cluster):
+        pod["tolerations"] = pod_tolerations(cluster)
 
     def replica(count: int) -> dict:
         # Never: a failed process fails the job (torchrun's static rendezvous cannot take one node back).
@@ -291,42 +217,18 @@ def pytorchjob_manifest(cfg, run_uri: str, iteration: int, role: str, name: str,
 
 def custom_objects_api(configuration=None):
     """A CustomObjectsApi from ``configuration``, else the in-cluster service account, else kubeconfig."""
-    from kubernetes import client, config
+    from kubernetes import client
 
     if configuration is None:
-        configuration = client.Configuration()
         try:
-            config.load_incluster_config(client_configuration=configuration)
-        except config.ConfigException:
-            try:
-                config.load_kube_config(client_configuration=configuration)
-            except (config.ConfigException, OSError, TypeError) as err:
-                raise MultiNodeError(f"no Kubernetes credentials for submitting the multi-node update: not in a pod "
-                                     f"with a service account, and no usable kubeconfig ({err})") from err
+            configuration = api_configuration()
+        except KubernetesUnavailable as err:
+            raise MultiNodeError(f"{err}: cannot submit the multi-node update") from err
     return client.CustomObjectsApi(client.ApiClient(configuration))
 
 
 def job_namespace(cfg) -> str:
-    """``pipeline.namespace``, else $KF_PIPELINES_NAMESPACE, else the namespace of this pod (where the
-    pipeline runs), else the kubeconfig context's, else ``default``."""
-    if cfg.pipeline.namespace:
-        return cfg.pipeline.namespace
-    if os.environ.get("KF_PIPELINES_NAMESPACE"):
-        return os.environ["KF_PIPELINES_NAMESPACE"]
-    try:
-        with open(SA_NAMESPACE_FILE) as fh:
-            namespace = fh.read().strip()
-        if namespace:
-            return namespace
-    except OSError:
-        pass
-    try:
-        from kubernetes import config
-
-        _, active = config.list_kube_config_contexts()
-        return (active or {}).get("context", {}).get("namespace") or "default"
-    except Exception:  # noqa: BLE001 - no kubeconfig: the default namespace
-        return "default"
+    return workload_namespace(cfg)
 
 
 def _api_message(err) -> str:

@@ -1,7 +1,7 @@
 """Data-parallel replicas for the rollout and log-prob stages (``trainer.n_gpus_per_node`` > 1).
 
 A stage's work is split by prompt group into contiguous shards, one per device; each shard runs in a
-replica process (``python -m kfrl.distributed.replica_worker``, on ``cuda:<rank>``, or on CPU) with
+replica process (``python -m kfrl.stages.replica_worker``, on ``cuda:<rank>``, or on CPU) with
 the same code one process runs, and the results are concatenated in shard order, which is the
 prompt-major order of one process. The launcher is ``kfrl.distributed.launch.run_processes``: a failed
 replica stops the others and fails the stage with one line naming it.
@@ -66,7 +66,7 @@ def run_in_replicas(ctx, function: str, shards: list[dict], *, what: str) -> lis
         for rank, kwargs in enumerate(shards):
             request = {"run_uri": ctx.run_uri, "iteration": ctx.iteration, "function": function, "kwargs": kwargs}
             (Path(folder) / f"request-{rank}.pkl").write_bytes(pickle.dumps(request))
-        argv = [sys.executable, "-m", "kfrl.distributed.replica_worker", "--requests", folder]
+        argv = [sys.executable, "-m", "kfrl.stages.replica_worker", "--requests", folder]
         run_processes(argv, len(shards), what=what, cpu=ctx.device != "cuda",
                       rank_env=_one_device if ctx.device == "cuda" else None)
         return [pickle.loads((Path(folder) / f"result-{rank}.pkl").read_bytes()) for rank in range(len(shards))]

@@ -211,10 +211,10 @@ _TIMING_SUFFIX = {"actor": "", "critic": "_critic"}
 def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str, float]:
     """Load (or reuse) the training copy, step it, commit the weights, hand them to this process's
     inference copies, and write the trainer state (in the background where the process lives on)."""
-    from kfrl.distributed import distributed_update, world_size
+    from kfrl.distributed import world_size
 
     if world_size(ctx.config) > 1:  # sharded over worker processes: they commit; run_stage's commit finds theirs
-        return distributed_update(ctx, role.name)
+        return distributed_update(ctx, role)
     model, optimizer, steps = trainer(ctx, role, optim_cfg, attempt)
     metrics, steps = TRAIN_STEP[role.name](ctx, table, model, optimizer, steps)
     suffix = _TIMING_SUFFIX[role.name]
@@ -248,6 +248,27 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
         reserve_state_buffers(role, model, optimizer)
     metrics[f"timing_s/save_trainer_state{suffix}"] = time.perf_counter() - started
     return metrics
+
+
+def distributed_update(ctx: StageContext, role: Role) -> dict[str, float]:
+    """``role``'s update over ``trainer.n_gpus_per_node`` × ``trainer.nnodes`` worker processes
+    (``kfrl.stages.update_worker``): local ones on one node, a cluster job beyond; returns the metrics
+    of the manifest rank 0 committed (the stage's own commit then finds it)."""
+    from kfrl.distributed import DistributedUpdateError, world_size
+
+    if ctx.config.trainer.nnodes > 1:
+        from kfrl.distributed.multinode import run_multinode_update
+
+        run_multinode_update(ctx, role.name)
+    else:
+        from kfrl.distributed.launch import run_distributed_update
+
+        run_distributed_update(ctx, role.name, role.stage, world_size(ctx.config))
+    manifest = ctx.store.manifest(stage_prefix(ctx.iteration, role.stage))
+    if manifest is None:
+        raise DistributedUpdateError(f"the distributed {role.stage} of iteration {ctx.iteration} ended without "
+                                     f"committing {ctx.store.url(stage_prefix(ctx.iteration, role.stage))}")
+    return dict(manifest.metrics)
 
 
 def update_actor(ctx: StageContext, table, attempt) -> tuple[None, dict[str, float]]:

@@ -147,3 +147,70 @@ resource "kubernetes_role_binding_v1" "multi_node_jobs" {
     namespace = local.namespace
   }
 }
+
+# --- The run's engine: the driver creates it as a workload ---
+# With pipeline.engines = "resident" the rl_train driver task creates, per run, the engine Pod, a
+# Service in front of it, a NetworkPolicy admitting only the run's own task pods, and a Secret with
+# the run's engine token (kfrl.driver.engine.workload); it reads the pod's status to wait for it and
+# to replace it when it dies, and deletes all four when the run ends (the exit handler does so by
+# label: deletecollection). Nothing more: no list, no get on secrets (the driver never reads one
+# back: it replaces it), no exec, no logs. tests/test_engine_workload.py checks the verbs against the
+# requests the code sends.
+
+resource "kubernetes_role_v1" "engine" {
+  count = var.engine_rbac ? 1 : 0
+
+  metadata {
+    name      = "kfrl-engine"
+    namespace = local.namespace
+    labels    = { "app.kubernetes.io/part-of" = "kfrl" }
+  }
+
+  rule {
+    api_groups = [""]
+    resources  = ["pods"]
+    verbs      = ["create", "get", "delete", "deletecollection"]
+  }
+
+  rule {
+    api_groups = [""]
+    resources  = ["services"]
+    verbs      = ["create", "deletecollection"]
+  }
+
+  rule {
+    api_groups = [""]
+    resources  = ["secrets"]
+    verbs      = ["create", "update", "deletecollection"]
+  }
+
+  rule {
+    api_groups = ["networking.k8s.io"]
+    resources  = ["networkpolicies"]
+    verbs      = ["create", "deletecollection"]
+  }
+
+  depends_on = [kustomization_resource.platform_p2]
+}
+
+resource "kubernetes_role_binding_v1" "engine" {
+  count = var.engine_rbac ? 1 : 0
+
+  metadata {
+    name      = "kfrl-engine"
+    namespace = local.namespace
+    labels    = { "app.kubernetes.io/part-of" = "kfrl" }
+  }
+
+  role_ref {
+    api_group = "rbac.authorization.k8s.io"
+    kind      = "Role"
+    name      = kubernetes_role_v1.engine[0].metadata[0].name
+  }
+
+  subject {
+    kind      = "ServiceAccount"
+    name      = var.pipeline_service_account
+    namespace = local.namespace
+  }
+}

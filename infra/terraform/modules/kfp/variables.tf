@@ -33,8 +33,14 @@ variable "multi_node_rbac" {
   default     = true
 }
 
+variable "engine_rbac" {
+  description = "Let pipeline pods create, read and delete each run's engine (a Pod, a Service, a NetworkPolicy and a token Secret) in the KFP namespace (pipeline.engines = resident on a cluster)."
+  type        = bool
+  default     = true
+}
+
 variable "pipeline_service_account" {
-  description = "Service account the standalone KFP runs pipeline pods as (bound to the multi-node Role)."
+  description = "Service account the standalone KFP runs pipeline pods as (bound to the multi-node and engine Roles)."
   type        = string
   default     = "pipeline-runner"
 }

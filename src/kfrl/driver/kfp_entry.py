@@ -8,14 +8,14 @@ from kfrl.redaction import redact
 
 
 def run_for_kfp(stage: str, run_uri: str, iteration: int, metrics_artifact) -> str:
-    from kfrl.engine_client import dispatch
+    from kfrl.driver.engine.client import dispatch
 
     return _report(dispatch(stage, run_uri, int(iteration)), iteration, metrics_artifact)
 
 
 def run_group_for_kfp(group: str, run_uri: str, iteration: int, metrics_artifact) -> str:
     """A fused component: the group's stages in one process; returns the last stage's URI."""
-    from kfrl.engine_client import dispatch
+    from kfrl.driver.engine.client import dispatch
     from kfrl.stages import FUSED_GROUPS
 
     uri = ""
@@ -91,6 +91,7 @@ def train_for_kfp(*, config_uri: str, model_path: str, train_files: str, val_fil
         command = [sys.executable, "-m", "kfrl.cli", "train", "--config", config_file, "--run-id", run_id,
                    "--json", summary_file, *(["--iterations", str(iterations)] if iterations else []), *extra]
         env = {key: value for key, value in os.environ.items() if key != "_KFP_RUNTIME"}
+        env["KFRL_KFP_RUN_ID"] = kfp_run_id  # the label of the engine objects the run creates (the exit handler's)
         print(f"[kfrl] {redact(' '.join(shlex.quote(c) for c in command))}", flush=True)
         finished = subprocess.run(command, env=env)
         if finished.returncode != 0:
@@ -122,6 +123,24 @@ def train_for_kfp(*, config_uri: str, model_path: str, train_files: str, val_fil
 
     Run.at(summary["run_uri"]).store.write_text(SUMMARY_FILE, json.dumps(summary, sort_keys=True, default=str))
     return summary["run_uri"]
+
+
+def cleanup_for_kfp(*, kfp_run_id: str, runner: str) -> str:
+    """rl_train's exit handler: delete the engine objects labelled with this KFP run (the driver deletes
+    its engine when it ends; this also covers a driver that was cancelled or killed). Nothing to do
+    when the iterations did not run on the cluster, or where no Kubernetes API is reachable."""
+    if runner != "kfp":
+        return "no cluster engine (runner=" + runner + ")"
+    from kfrl.driver.engine.workload import delete_for_kfp_run
+    from kfrl.kube import KubernetesUnavailable
+
+    try:
+        selector = delete_for_kfp_run(kfp_run_id)
+    except KubernetesUnavailable as err:
+        print(f"[kfrl] no engine to delete: {err}", flush=True)
+        return "no Kubernetes API"
+    print(f"[kfrl] engine objects of KFP run {kfp_run_id} deleted ({selector})", flush=True)
+    return f"deleted {selector}"
 
 
 SUMMARY_FILE = "summary.json"  # in a run's folder, written by the cluster driver at its end

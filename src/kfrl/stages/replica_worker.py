@@ -1,4 +1,4 @@
-"""One replica of a rollout or log-prob stage: ``python -m kfrl.distributed.replica_worker --requests DIR``
+"""One replica of a rollout or log-prob stage: ``python -m kfrl.stages.replica_worker --requests DIR``
 under RANK / LOCAL_RANK (``kfrl.distributed.launch``). It reads ``DIR/request-<RANK>.pkl`` (the run, the
 iteration, a function "module:name" and its keyword arguments), calls ``function(ctx, **kwargs)`` on
 its device (``cuda:<LOCAL_RANK>``, or the CPU) and writes the result to ``DIR/result-<RANK>.pkl``."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kfrl.distributed.replica_worker")
+    parser = argparse.ArgumentParser(prog="python -m kfrl.stages.replica_worker")
     parser.add_argument("--requests", required=True, help="the folder holding request-<rank>.pkl")
     args = parser.parse_args(argv)
     from kfrl.distributed.replicas import REPLICA_ENV

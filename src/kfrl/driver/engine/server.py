@@ -6,7 +6,7 @@ task would call (``kfrl.stages.run_stage``). Because the process lives across st
 iterations, models, tokenizers and the rollout decoder stay loaded in it (``kfrl.stages.context``
 caches them by slot), and the import of torch and transformers is paid once instead of per task.
 
-KFP tasks become thin clients (``kfrl.engine_client``): they find the engine through the run's
+KFP tasks become thin clients (``kfrl.driver.engine.client``): they find the engine through the run's
 ``ENGINE.json`` in the store, send (run_uri, iteration, stage) and return when the stage is
 committed. Stages run one at a time (one accelerator). Nothing lives only in the engine: every
 stage still commits to the store, so a killed engine loses at most the stage it was running.
@@ -143,6 +143,13 @@ def serve(run_uri: str, *, host: str = "127.0.0.1", port: int = 0, advertise: st
                                            log_level="warning", timeout_keep_alive=600))
     if parent_pid:
         threading.Thread(target=_exit_with_parent, args=(parent_pid, stop), daemon=True).start()
+    # A pod being deleted gets SIGTERM, then its grace period: uvicorn stops serving on it and, once
+    # stopped, raises the signal again with the handler it found. The engine's handler then only lets
+    # the `finally` below run, so the trainer state being written is finished before the pod goes.
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: print("[engine] SIGTERM: stopping", flush=True))
     run.set_engine({"url": url, "pid": os.getpid(), "host": socket.gethostname()})
     from kfrl.stages import update
 

@@ -80,7 +80,7 @@ def report(cfg) -> tuple[str, list[str]]:
         except Exception as err:  # noqa: BLE001 - whatever the user's file does on import is reported
             warnings.append(f"reward.custom_function_path: {type(err).__name__}: {err}")
     if cfg.pipeline.runner == "kfp":
-        from kfrl.submit import cluster_input_problems
+        from kfrl.driver.submit import cluster_input_problems
 
         warnings += [f"pipeline.runner=kfp: {problem}" for problem in cluster_input_problems(cfg)]
     if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:

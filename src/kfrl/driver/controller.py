@@ -261,7 +261,7 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     repairs a run that recorded no iteration: its preparation is withdrawn and done again from ``config``."""
     from rich.console import Console
 
-    from kfrl.runners import make_runner
+    from kfrl.driver import make_runner
     from kfrl.stages.prepare import prepare_run
     from kfrl.tracking import Tracker, check_reachable, credentials_to_environment
 
@@ -275,7 +275,7 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     config = config.model_copy(update={"tracking": config.tracking.model_copy(
         update={"uri": credentials_to_environment(config.tracking.uri)})})
     if config.pipeline.runner == "kfp":  # the cluster's pods must see the store and load the model
-        from kfrl.submit import cluster_input_problems
+        from kfrl.driver.submit import cluster_input_problems
 
         problems = cluster_input_problems(config)
         if problems:
@@ -340,17 +340,8 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     runner = make_runner(config)
     logs = Path(log_dir or Path(config.pipeline.pipeline_root) / "logs") / run_id
     engine = None
-    if config.pipeline.engines == "resident" and config.pipeline.runner == "local":
-        from kfrl.engine_client import EngineProcess, EngineUnavailable
-
-        try:
-            with console.status("starting the resident engine"):
-                engine = EngineProcess(run, logs / "engine.log").start()
-            console.print(f"resident engine at {engine.url} (log {logs / 'engine.log'})")
-        except EngineUnavailable as err:  # the tasks run their stages themselves: slower, same results
-            engine = None
-            console.print(f"[yellow]no resident engine ({err}); each task runs its own stage[/]")
     try:
+        engine = start_engine(runner, run, config, logs, console)
         if latest == 0 and not skip_reason("validate", config, 0):
             with console.status("validating the initial policy (trainer.val_before_train)"):
                 runner.run(run_uri, 0, logs / "validate-000000.log", pipeline="validate")
@@ -359,13 +350,7 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
             console.print(validation_line(0, metrics))
         for iteration in range(latest + 1, total + 1):
             if engine is not None and not engine.alive():
-                console.print("[yellow]the resident engine is gone; starting it again[/]")
-                engine.stop()
-                try:
-                    engine.start()
-                except EngineUnavailable as err:
-                    engine = None
-                    console.print(f"[yellow]the engine did not come back ({err}); each task runs its own stage[/]")
+                engine = restart_engine(engine, console)
             label = f"iteration {iteration}/{total}"
             started = time.perf_counter()
             with console.status(label) as status, StageWatcher(run, iteration, status, label):
@@ -389,6 +374,47 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
             close()
     tracker.finish("FINISHED")
     return summary
+
+
+def start_engine(runner, run: Run, config: Config, logs: Path, console):
+    """The run's resident engine (``pipeline.engines=resident``): a child process for the local runner
+    (when it cannot start, the tasks run their stages themselves: slower, the same results), a
+    Kubernetes workload on a cluster (``ClusterKfpRunner.start_engine``: without it the run fails, its
+    GPU tasks being CPU-only clients); None for the inline runner, which is resident by nature."""
+    if config.pipeline.engines != "resident":
+        return None
+    if config.pipeline.runner == "kfp":
+        with console.status("starting the run's engine on the cluster"):
+            engine = runner.start_engine(run, log=lambda line: console.print(f"[dim]{line}[/]"))
+        if engine is not None:
+            console.print(f"engine {engine.namespace}/{engine.name} ready at {engine.url}")
+        return engine
+    if config.pipeline.runner != "local":
+        return None
+    from kfrl.driver.engine.client import EngineProcess, EngineUnavailable
+
+    try:
+        with console.status("starting the resident engine"):
+            engine = EngineProcess(run, logs / "engine.log").start()
+        console.print(f"resident engine at {engine.url} (log {logs / 'engine.log'})")
+        return engine
+    except EngineUnavailable as err:
+        console.print(f"[yellow]no resident engine ({err}); each task runs its own stage[/]")
+        return None
+
+
+def restart_engine(engine, console):
+    """A dead engine, replaced between iterations. A local one that does not come back leaves the
+    tasks to run their stages themselves; a cluster one that does not come back fails the run."""
+    from kfrl.driver.engine.client import EngineUnavailable
+
+    console.print("[yellow]the resident engine is gone; starting it again[/]")
+    try:
+        engine.restart()
+    except EngineUnavailable as err:
+        console.print(f"[yellow]the engine did not come back ({err}); each task runs its own stage[/]")
+        return None
+    return engine
 
 
 def record_iteration(run: Run, tracker, config: Config, iteration: int, step_time: float,

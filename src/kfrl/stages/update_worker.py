@@ -1,4 +1,4 @@
-"""One process of a distributed update: ``python -m kfrl.distributed.update_worker --run-uri URI
+"""One process of a distributed update: ``python -m kfrl.stages.update_worker --run-uri URI
 --iteration N --role actor|critic``, under a torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT). The same entry point serves one node (``kfrl.distributed.launch``) and a
 multi-node job (one pod per node running torchrun).
@@ -182,7 +182,7 @@ def _commit(ctx, role, spec, model, model_state: dict, optimizer_state: dict, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kfrl.distributed.update_worker",
+    parser = argparse.ArgumentParser(prog="python -m kfrl.stages.update_worker",
                                      description="One process of a distributed update_actor / update_critic.")
     parser.add_argument("--run-uri", required=True)
     parser.add_argument("--iteration", required=True, type=int)

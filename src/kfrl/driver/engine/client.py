@@ -1,4 +1,4 @@
-"""The thin side of a resident engine (``kfrl.engine_server``): what a KFP task runs.
+"""The thin side of a resident engine (``kfrl.driver.engine.server``): what a KFP task runs.
 
 ``dispatch`` sends a stage to the run's engine when one answers, and otherwise runs the stage in
 this process (today's per-task path), so every pipeline still runs anywhere. Nothing here imports
@@ -37,7 +37,7 @@ def find_engine(run: Run) -> str | None:
 
 
 def _authorization() -> dict:
-    from kfrl.engine_server import engine_token
+    from kfrl.driver.engine.server import engine_token
 
     token = engine_token()
     return {"Authorization": f"Bearer {token}"} if token else {}
@@ -66,14 +66,34 @@ def run_on_engine(url: str, stage: str, run_uri: str, iteration: int):
     return StageResult(**body)
 
 
+REQUIRED_VARIABLE = "KFRL_ENGINE_REQUIRED"
+
+
+def engine_required(environ=None) -> bool:
+    """A task compiled as a client of a cluster engine (``KFRL_ENGINE_REQUIRED=1``): it has no GPU, so it
+    never runs a GPU stage itself."""
+    import os
+
+    return (environ if environ is not None else os.environ).get(REQUIRED_VARIABLE, "") == "1"
+
+
 def dispatch(stage: str, run_uri: str, iteration: int):
-    """Run ``stage`` on the run's engine if one answers, else here. Returns its ``StageResult``."""
+    """Run ``stage`` on the run's engine if one answers, else here (unless this task is a required
+    client of a cluster engine: then it fails, and KFP retries it while the driver replaces the
+    engine). Returns its ``StageResult``."""
     run = Run.at(run_uri)
     url = find_engine(run)
+    required = engine_required()
+    if url is None and required:
+        raise EngineUnavailable(f"no live engine serves {run_uri} (its ENGINE.json: {run.engine() or 'none'}); this "
+                                f"task has no GPU and does not run {stage} of iteration {iteration} itself. The driver "
+                                "replaces a dead engine; KFP retries this task")
     if url is not None:
         try:
             return run_on_engine(url, stage, run_uri, iteration)
         except EngineUnavailable as err:
+            if required:
+                raise
             print(f"[kfrl] {err}; running the stage in this task instead", file=sys.stderr, flush=True)
     from kfrl.stages import run_stage
 
@@ -99,7 +119,7 @@ class EngineProcess:
         import subprocess
         import time
 
-        from kfrl.engine_server import TOKEN_VARIABLE
+        from kfrl.driver.engine.server import TOKEN_VARIABLE
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.run.clear_engine()  # a record left by a killed engine must not be mistaken for this one
@@ -126,6 +146,10 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and find_engine(self.run) is not None
 
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
     def stop(self) -> None:
         import subprocess
 
@@ -147,7 +171,7 @@ class EngineProcess:
     def _restore_token(self) -> None:
         import os
 
-        from kfrl.engine_server import TOKEN_VARIABLE
+        from kfrl.driver.engine.server import TOKEN_VARIABLE
 
         if self._saved_token is None:
             return

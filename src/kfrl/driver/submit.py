@@ -84,7 +84,7 @@ def compiled_train_pipeline(config: Config, folder: Path) -> Path:
 
 def submit(config: Config, arguments: dict, *, run_name: str) -> str:
     """Start one rl_train run; returns the KFP run id."""
-    from kfrl.runners import kfp_client
+    from kfrl.driver.cluster import kfp_client
 
     client = kfp_client(config.pipeline)
     with tempfile.TemporaryDirectory(prefix="kfrl-compile-") as tmp:
@@ -99,7 +99,7 @@ def schedule(config: Config, arguments: dict, *, cron: str, name: str) -> tuple[
     """A KFP recurring run of rl_train (one run at a time, no catch-up of missed nights) called ``name``:
     the recurring runs of rl_train already called so are replaced (the new one is created first, so a
     failure leaves the old schedule running). Returns (its id, the ids it replaced)."""
-    from kfrl.runners import kfp_client
+    from kfrl.driver.cluster import kfp_client
 
     client = kfp_client(config.pipeline)
     experiment = client.create_experiment(config.trainer.project_name, namespace=config.pipeline.namespace or None)
@@ -137,7 +137,7 @@ def training_schedules(client, config: Config) -> list:
 def schedule_rows(config: Config) -> list[dict]:
     """One row per recurring run of the training pipeline: name, id, cron (crontab's five fields),
     status, created."""
-    from kfrl.runners import kfp_client
+    from kfrl.driver.cluster import kfp_client
 
     rows = []
     for recurring in training_schedules(kfp_client(config.pipeline), config):
@@ -153,7 +153,7 @@ def schedule_rows(config: Config) -> list[dict]:
 
 def delete_schedule(config: Config, name: str) -> list[str]:
     """Delete the recurring runs of the training pipeline called ``name``; returns their ids."""
-    from kfrl.runners import kfp_client
+    from kfrl.driver.cluster import kfp_client
 
     client = kfp_client(config.pipeline)
     ids = [r.recurring_run_id for r in training_schedules(client, config) if r.display_name == name]
@@ -171,7 +171,7 @@ def wait_for_training_run(config: Config, kfp_run_id: str, *, poll_s: float = 10
     start; returns the final state (or ``TIMEOUT``)."""
     import time
 
-    from kfrl.runners import kfp_client
+    from kfrl.driver.cluster import kfp_client
 
     client = kfp_client(config.pipeline)
     started, last = time.monotonic(), None
@@ -192,7 +192,7 @@ def training_summary(config: Config, run_id: str) -> dict | None:
     """The summary the cluster driver left in the run's folder (``summary.json``), or None."""
     import json
 
-    from kfrl.stages.kfp_entry import SUMMARY_FILE
+    from kfrl.driver.kfp_entry import SUMMARY_FILE
     from kfrl.store import Store, StoreNotFoundError
 
     store = Store(config.store.uri, **config.store.options())
