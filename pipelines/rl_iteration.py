@@ -152,6 +152,7 @@ def shape_for_cluster(task, cluster, *, gpu: bool, gpus: int | None = None):
                                      secret_key_to_env={key: key for key in cluster.secret_keys}, optional=True)
     if cluster.image_pull_secrets:
         kubernetes.set_image_pull_secrets(task, list(cluster.image_pull_secrets))
+    kubernetes.set_image_pull_policy(task, cluster.image_pull_policy)
     return task
 
 

@@ -57,7 +57,7 @@ def test_the_engine_pod_has_the_gpu_stages_shape_and_no_secret_in_its_spec():
     cfg, objects = manifests(token=token)
     pod, secret, service, policy = objects["pod"], objects["secret"], objects["service"], objects["network_policy"]
     (container,) = pod["spec"]["containers"]
-    assert container["image"] == "registry.example/kfrl-gpu:3"
+    assert container["image"] == "registry.example/kfrl-gpu:3" and container["imagePullPolicy"] == "IfNotPresent"
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi"}
     assert container["resources"]["requests"] == container["resources"]["limits"]
     assert pod["spec"]["nodeSelector"] == {"pool": "h200"}
@@ -337,6 +337,7 @@ def test_with_a_cluster_engine_the_gpu_tasks_are_cpu_clients_that_carry_the_runs
         assert {"secretName": binding.secret_name, "keyToEnv": [{"secretKey": TOKEN_KEY, "envVar": TOKEN_KEY}]} \
             in [{k: v for k, v in s.items() if k in ("secretName", "keyToEnv")} for s in platform["secretAsEnv"]]
         assert "tolerations" not in platform and "nodeSelector" not in platform  # no GPU node needed
+        assert platform["imagePullPolicy"] == "IfNotPresent"  # a node pulls the image once, not per pod
     assert "KFRL_ENGINE_REQUIRED" not in json.dumps(executors["exec-score-op"])  # a CPU stage may run itself
     # Without the engine (per_task) the GPU tasks keep the GPU shape.
     spec, kube = compiled(tmp_path / "per-task", cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(

@@ -96,7 +96,7 @@ def test_cluster_runner_submits_the_runs_own_compiled_pipeline_and_records_the_s
         cfg = load_config(Path("configs/demo.yaml"), [
             "pipeline.runner=kfp", f"pipeline.host=http://127.0.0.1:{server.server_address[1]}",
             f"store.uri={tmp_path}", "cluster.image=registry.example/kfrl-gpu:7", "data.train_batch_size=8",
-            "pipeline.engines=per_task",  # GPU tasks that load their models (with the engine: tests/test_engine_workload.py)
+            "pipeline.engines=per_task", "pipeline.fuse=none",  # a task per stage, loading its models (with the engine: tests/test_engine_workload.py)
             "actor.ppo_mini_batch_size=8", "rollout.n=2"])
         run_uri = str(tmp_path / "demo" / "r1")
         prepare_run(Store(run_uri), cfg)
@@ -106,8 +106,13 @@ def test_cluster_runner_submits_the_runs_own_compiled_pipeline_and_records_the_s
         runner.run(run_uri, 3, Path("unused.log"))
         path, body = [p for p in FakeKfp.posted if p[0] == "/apis/v2beta1/runs"][-1]
         assert body["runtime_config"]["parameters"] == {"run_uri": run_uri, "iteration": 3}
-        spec = body["pipeline_spec"]
+        # A compiled package with Kubernetes settings (image pull policy, secrets, ...) is two YAML documents;
+        # KFP's client submits them as {"pipeline_spec": ..., "platform_spec": ...}.
+        submitted = body["pipeline_spec"]
+        spec, platform = submitted["pipeline_spec"], submitted["platform_spec"]
         assert spec["pipelineInfo"]["name"] == "kfrl-rl-iteration"
+        rollout_platform = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-rollout-op"]
+        assert rollout_platform["imagePullPolicy"] == "IfNotPresent"
         executors = spec["deploymentSpec"]["executors"]
         assert executors["exec-rollout-op"]["container"]["image"] == "registry.example/kfrl-gpu:7"  # the run's shape
         assert set(executors) == {f"exec-{s.replace('_', '-')}-op" for s in STAGES if s not in skipped}
@@ -115,7 +120,7 @@ def test_cluster_runner_submits_the_runs_own_compiled_pipeline_and_records_the_s
         run = Run.at(run_uri)
         (digest,) = [p.name for p in (Path(run_uri) / "pipelines").iterdir()]
         manifest = run.store.manifest(f"pipelines/{digest}")
-        assert yaml.safe_load(run.store.read_file(manifest, "rl_iteration.yaml")) == spec
+        assert list(yaml.safe_load_all(run.store.read_file(manifest, "rl_iteration.yaml"))) == [spec, platform]
         assert {"rl_iteration.yaml", "rl_train.yaml", "rl_validate.yaml"} <= set(manifest.names())
         for stage in skipped:
             assert run.manifest(stage, 3).info["skipped"]

@@ -3,7 +3,6 @@ keys named like a secret are redacted in printed and stored configs, MLflow para
 and the parameters a KFP run is submitted with. The values in memory stay usable."""
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 from pathlib import Path

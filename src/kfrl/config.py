@@ -345,8 +345,9 @@ class PipelineConfig(Section):
     runner: Literal["local", "inline", "kfp"] = "local"
     # How stages map to KFP tasks. "none": one task per stage (every stage visible and separately
     # scalable). "weights": two tasks, infer (rollout, gen_max, score, old/ref log-probs, values)
-    # and train (advantage, critic and actor updates, validation). "all": one task per iteration. Each task is a new process that pays
-    # ~4.5 s of torch/transformers imports on 2 CPU cores, so fusing matters on the local runner.
+    # and train (advantage, critic and actor updates, validation). "all": one task per iteration. A task
+    # costs a process on the local runner (~0.18 s with the engine, ~4.5 s of torch imports without)
+    # and two pods on a cluster: docs/operations.md says which to use at which size.
     fuse: Literal["none", "weights", "all"] = "none"
     # "resident": `kfrl train` starts one engine process for the run (`kfrl engine serve`) that keeps
     # models loaded across stages and iterations; KFP tasks hand their stage to it and return when it
@@ -394,6 +395,9 @@ class ClusterConfig(Section):
     cpu_image: str = "ghcr.io/kfrl/kfrl-cpu:0.1.0"
     # Kubernetes secrets (type docker-registry) every task's pod pulls its image with: a private registry.
     image_pull_secrets: list[str] = []
+    # Every task's and the engine's image pull policy. IfNotPresent: a node pulls a tagged image once, not
+    # for each of an iteration's pods (use Always with a moving tag such as :latest).
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
     # A Kubernetes secret whose keys become environment variables of every task (S3 and MLflow
     # credentials); "" = none. Keys missing from the secret are skipped.
     secret: str = ""

@@ -15,12 +15,11 @@ def run_for_kfp(stage: str, run_uri: str, iteration: int, metrics_artifact) -> s
 
 def run_group_for_kfp(group: str, run_uri: str, iteration: int, metrics_artifact) -> str:
     """A fused component: the group's stages in one process; returns the last stage's URI."""
-    from kfrl.driver.engine.client import dispatch
-    from kfrl.stages import FUSED_GROUPS
+    from kfrl.driver.engine.client import dispatch_group
 
     uri = ""
-    for stage in FUSED_GROUPS[group]:
-        uri = _report(dispatch(stage, run_uri, int(iteration)), iteration, metrics_artifact)
+    for result in dispatch_group(group, run_uri, int(iteration)):
+        uri = _report(result, iteration, metrics_artifact)
     metrics_artifact.metadata["stage"] = group
     return uri
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from kfrl.results import StageResult
 from kfrl.run import stage_prefix
 from kfrl.stages.context import StageContext, StageInputError
 
@@ -183,15 +184,6 @@ def update_graph_in(path) -> bool:
     if new != text:
         path.write_text(new)
     return new != text
-
-
-@dataclass
-class StageResult:
-    stage: str
-    uri: str
-    metrics: dict
-    cached: bool     # already committed before this call
-    skipped: str     # why the algorithm does not need it ("" when it ran)
 
 
 def skip_reason(stage: str, config, iteration: int | None = None) -> str:

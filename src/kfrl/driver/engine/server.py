@@ -12,7 +12,8 @@ committed. Stages run one at a time (one accelerator). Nothing lives only in the
 stage still commits to the store, so a killed engine loses at most the stage it was running.
 
 API (JSON): ``GET /health`` → ``{"status", "run_uri", "pid", "stages_run"}``; ``POST /stages`` with
-``{"run_uri", "iteration", "stage"}`` → the stage's result (``StageResult`` fields), or status 500
+``{"run_uri", "iteration", "stage"}`` → the stage's result (``StageResult`` fields), or with
+``"group"`` instead of ``"stage"`` → ``{"results": [...]}`` for the fused group's stages; status 500
 with ``{"error"}`` naming the failure; ``POST /shutdown``.
 
 The engine is not an open door: it holds the run's store credentials and its accelerator. ``/stages``
@@ -33,28 +34,19 @@ import traceback
 
 from pydantic import BaseModel
 
+from kfrl.driver.engine.client import TOKEN_FILE_VARIABLE, TOKEN_VARIABLE, engine_token
 from kfrl.run import Run
 
 
 class StageRequest(BaseModel):
+    """One stage, or a fused group of them (``kfrl.stages.FUSED_GROUPS``: run in order, one request)."""
     run_uri: str
     iteration: int
-    stage: str
+    stage: str = ""
+    group: str = ""
 
 
-TOKEN_VARIABLE, TOKEN_FILE_VARIABLE = "KFRL_ENGINE_TOKEN", "KFRL_ENGINE_TOKEN_FILE"
 MIN_TOKEN_LENGTH = 16
-
-
-def engine_token(environ=os.environ) -> str:
-    """The run's engine token from the environment: ``KFRL_ENGINE_TOKEN``, else the contents of the file
-    ``KFRL_ENGINE_TOKEN_FILE`` names; "" when neither is set."""
-    token = environ.get(TOKEN_VARIABLE, "")
-    path = environ.get(TOKEN_FILE_VARIABLE, "")
-    if not token and path:
-        with open(path) as fh:
-            token = fh.read().strip()
-    return token
 
 
 def create_app(run_uri: str, token: str, on_shutdown=None):
@@ -93,21 +85,30 @@ def create_app(run_uri: str, token: str, on_shutdown=None):
             return refused
         if request.run_uri != run_uri:
             return JSONResponse({"error": f"this engine serves {run_uri}, not {request.run_uri}"}, status_code=409)
-        with lock:  # one stage at a time: they share the accelerator and the model cache
-            started = time.perf_counter()
-            try:
-                result = run_stage(request.stage, request.run_uri, request.iteration)
-                # A task returns when its stage is committed for every process: the weights an update
-                # writes in the background are finished before the engine answers.
-                settle_in_flight()
-            except Exception as err:  # noqa: BLE001 - reported to the task, which fails with it
-                traceback.print_exc()
-                return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=500)
-            state["stages_run"] += 1
-        print(f"[engine] iteration {request.iteration} {request.stage}: "
-              f"{'skipped' if result.skipped else 'already committed' if result.cached else 'done'} "
-              f"in {time.perf_counter() - started:.1f}s", flush=True)
-        return dataclasses.asdict(result)
+        from kfrl.stages import FUSED_GROUPS
+
+        if bool(request.stage) == bool(request.group) or (request.group and request.group not in FUSED_GROUPS):
+            return JSONResponse({"error": "name one stage, or one group of " + ", ".join(FUSED_GROUPS)},
+                                status_code=400)
+        results = []
+        for stage in FUSED_GROUPS[request.group] if request.group else (request.stage,):
+            with lock:  # one stage at a time: they share the accelerator and the model cache
+                started = time.perf_counter()
+                try:
+                    result = run_stage(stage, request.run_uri, request.iteration)
+                    # A task returns when its stage is committed for every process: the weights an update
+                    # writes in the background are finished before the engine answers.
+                    settle_in_flight()
+                except Exception as err:  # noqa: BLE001 - reported to the task, which fails with it
+                    traceback.print_exc()
+                    return JSONResponse({"error": f"{stage}: {type(err).__name__}: {err}",
+                                         "results": results}, status_code=500)
+                state["stages_run"] += 1
+            print(f"[engine] iteration {request.iteration} {stage}: "
+                  f"{'skipped' if result.skipped else 'already committed' if result.cached else 'done'} "
+                  f"in {time.perf_counter() - started:.1f}s", flush=True)
+            results.append(dataclasses.asdict(result))
+        return {"results": results} if request.group else results[0]
 
     @app.post("/shutdown")
     def shutdown(authorization: str = Header("")):

@@ -126,7 +126,7 @@ def engine_manifests(config, run_uri: str, run_id: str, *, namespace: str, token
     ]
     volumes, mounts = shm_volume(cluster)
     container = {
-        "name": CONTAINER, "image": cluster.image, "imagePullPolicy": "IfNotPresent",
+        "name": CONTAINER, "image": cluster.image, "imagePullPolicy": cluster.image_pull_policy,
         "command": ["kfrl", "engine", "serve", "--run-uri", run_uri, "--host", "0.0.0.0", "--port", str(port),
                     "--advertise", f"http://{name}.{namespace}.svc:{port}"],
         "env": env,
