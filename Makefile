@@ -64,7 +64,7 @@ DOCKER ?= $(shell for b in docker podman; do command -v $$b >/dev/null 2>&1 && {
 IMAGE_BUILD_FLAGS ?=
 GPU_BUILD_FLAGS ?=
 CPU_BUILD_FLAGS ?=
-VCS_REF ?= $(or $(shell git rev-parse --short HEAD 2>/dev/null),unknown)
+VCS_REF ?= $(or $(shell git rev-parse HEAD 2>/dev/null),unknown)
 
 images:
 	@test -n "$(DOCKER)" || { echo "make images: no container builder found: install docker or podman (or set DOCKER=<builder>)" >&2; exit 1; }

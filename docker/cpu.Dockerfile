@@ -55,6 +55,9 @@ LABEL org.opencontainers.image.title="kfrl-cpu" \
       org.opencontainers.image.source="https://github.com/kfrl/kfrl" \
       org.opencontainers.image.base.name="python:${PYTHON_VERSION}-slim-trixie"
 
+# The commit the image was built from, for the runs it drives (MLflow's mlflow.source.git.commit).
+ENV KFRL_GIT_COMMIT="${VCS_REF}"
+
 ENV DEBIAN_FRONTEND=noninteractive
 
 # Debian's packages are not version-pinned: the archive drops superseded versions, so a pin breaks

@@ -97,6 +97,9 @@ LABEL org.opencontainers.image.title="kfrl-gpu" \
       org.opencontainers.image.source="https://github.com/kfrl/kfrl" \
       org.opencontainers.image.base.name="${CUDA_BASE}"
 
+# The commit the image was built from, for the runs it drives (MLflow's mlflow.source.git.commit).
+ENV KFRL_GIT_COMMIT="${VCS_REF}"
+
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import json
 import os
 import random
@@ -156,7 +157,13 @@ def pod_status(pod: dict, phase: str, ready: bool, reason: str = "", message: st
         state = {"terminated": {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
                                 "startedAt": started, "finishedAt": t, **({"message": message} if message else {})}}
     containers = pod["spec"].get("containers") or [{"name": "main"}]
-    statuses = [{"name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": ready, "restartCount": 0,
+    def image_id(image: str) -> str:  # what a node reports once it has pulled the image: its digest
+        if phase == "Pending" or not image:
+            return ""
+        return f"{image.split(':')[0]}@sha256:{hashlib.sha256(image.encode()).hexdigest()}"
+
+    statuses = [{"name": c["name"], "image": c.get("image", ""), "imageID": image_id(c.get("image", "")),
+                 "ready": ready, "restartCount": 0,
                  "started": phase == "Running", "state": copy.deepcopy(state)} for c in containers]
 
     def condition(type_: str, ok: bool) -> dict:

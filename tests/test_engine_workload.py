@@ -131,6 +131,16 @@ def kubelet_env() -> dict:
             "PYTHONPATH": str(REPO / "src")}
 
 
+def write_kubeconfig(path: Path, kube: StandIn) -> Path:
+    """A kubeconfig whose context reaches the stand-in, in NAMESPACE (what kfrl finds through $KUBECONFIG)."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": kube.url}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": NAMESPACE}}],
+        "users": [{"name": "u", "user": {"token": "t"}}]}))
+    return path
+
+
 class ReadyPods:
     """Plays the kubelet of a stand-in without one: every pending pod becomes Running and Ready."""
 
@@ -266,12 +276,7 @@ def test_the_engine_goes_with_the_drivers_pod_and_with_the_exit_handler(prepared
             engine.start()
         other = workload(config, run, kube, kfp_run_id="another-run")
         assert len(kube.objects("services")) == 1
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "c",
-            "clusters": [{"name": "c", "cluster": {"server": kube.url}}],
-            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": NAMESPACE}}],
-            "users": [{"name": "u", "user": {"token": "t"}}]}))
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", kube)
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
         monkeypatch.delenv("KF_PIPELINES_NAMESPACE", raising=False)
         assert cleanup_for_kfp(kfp_run_id="another-run", runner="kfp").startswith("deleted")
@@ -405,3 +410,65 @@ def test_a_cluster_run_whose_engine_cannot_start_fails_naming_the_way_out(prepar
         ClusterKfpRunner(config).start_engine(run)
     per_task = config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"engines": "per_task"})})
     assert ClusterKfpRunner(per_task).start_engine(run) is None
+
+
+def test_a_kfp_driven_run_is_tagged_with_its_kfp_run_its_link_its_commit_and_its_image_digest(prepared_run, tmp_path,
+                                                                                          monkeypatch):
+    from kubernetes import client
+
+    from kfrl.driver.controller import run_tags
+
+    config, run = prepared_run
+    config = config.model_copy(update={"pipeline": config.pipeline.model_copy(
+        update={"ui_url": "https://kubeflow.example.com/pipeline/"})})
+    monkeypatch.chdir(tmp_path)  # no checkout here: the commit comes from the image
+    with StandIn() as kube:
+        core, _ = apis(kube)
+        core.create_namespaced_pod(NAMESPACE, client.V1Pod(
+            metadata=client.V1ObjectMeta(name="rl-train-driver"),
+            spec=client.V1PodSpec(containers=[client.V1Container(name="main", image="registry.example/kfrl-cpu:7")])))
+        kube.set_pod_phase(NAMESPACE, "rl-train-driver", "Running", ready=True)
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", kube)
+        environ = {"KFRL_KFP_RUN_ID": "kfp-run-9", "KFRL_GIT_COMMIT": "0123abcd" * 5,
+                   "KFRL_POD_NAME": "rl-train-driver", "KUBECONFIG": str(kubeconfig)}
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        tags = run_tags(config, run.uri, environ)
+        reported = core.read_namespaced_pod("rl-train-driver", NAMESPACE).status.container_statuses[0].image_id
+    assert tags["kfrl.kfp_run_id"] == "kfp-run-9"
+    assert tags["kfrl.kfp_run_url"] == "https://kubeflow.example.com/pipeline/#/runs/details/kfp-run-9"
+    assert tags["mlflow.source.git.commit"] == "0123abcd" * 5 and tags["mlflow.source.type"] == "JOB"
+    assert tags["kfrl.image"] == "registry.example/kfrl-cpu:7"
+    assert tags["kfrl.image_digest"] == "sha256:" + reported.split("@sha256:")[1]
+    # Outside KFP: none of these, and a pod the API does not know costs nothing but the tags.
+    assert not {k for k in run_tags(config, run.uri, {}) if k.startswith("kfrl.kfp") or k.startswith("kfrl.image")}
+    gone = run_tags(config, run.uri, {**environ, "KFRL_POD_NAME": "no-such-pod"})
+    assert "kfrl.image" not in gone and gone["kfrl.kfp_run_id"] == "kfp-run-9"
+
+
+def test_the_engine_logs_its_machines_system_metrics_into_the_runs_mlflow_run(tmp_path):
+    """On a cluster the driver's pod has no GPU: the engine pod is told the MLflow run (never the
+    tracking credentials, which come from the secret) and logs system/engine/... into it."""
+    import kubernetes_validate
+    from mlflow import MlflowClient
+
+    from kfrl.driver.engine.client import METRICS_RUN_VARIABLE
+    from kfrl.driver.engine.server import start_engine_system_metrics
+    from kfrl.tracking import Tracker, stop_system_metrics
+
+    cfg = load_config(None, GPU)
+    objects = engine_manifests(cfg, "s3://bucket/runs/demo/r-1", "r-1", namespace=NAMESPACE, token="t" * 32,
+                               owner=OWNER, metrics_run=("0123abcd", "https://alice:pa55word@mlflow.example:5000/"))
+    kubernetes_validate.validate(objects["pod"], "1.33.0", strict=True)
+    env = {e["name"]: e.get("value") for e in objects["pod"]["spec"]["containers"][0]["env"]}
+    assert env[METRICS_RUN_VARIABLE] == "0123abcd" and env["MLFLOW_TRACKING_URI"] == "https://mlflow.example:5000/"
+    assert "pa55word" not in json.dumps(objects) and "alice" not in json.dumps(objects)
+    assert METRICS_RUN_VARIABLE not in json.dumps(manifests()[1]["pod"])  # only when the driver asks
+
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(tracking, "engine-metrics", "r-1")
+    assert start_engine_system_metrics({}) is None
+    monitor = start_engine_system_metrics({METRICS_RUN_VARIABLE: tracker.mlflow_run_id, "MLFLOW_TRACKING_URI": tracking})
+    assert monitor is not None
+    stop_system_metrics(monitor)  # the engine's shutdown: one last sample
+    logged = MlflowClient(tracking_uri=tracking).get_run(tracker.mlflow_run_id).data.metrics
+    assert any(key.startswith("system/engine/cpu_utilization") for key in logged), sorted(logged)

@@ -202,3 +202,107 @@ def test_system_metrics_are_logged_when_asked(tmp_path, mlflow_server, client, m
     quiet = train(tiny(tmp_path / "q", f"tracking.uri={mlflow_server}", "tracking.system_metrics=false"),
                   run_id="quiet", iterations=1)
     assert not any(key.startswith("system/") for key in client.get_run(quiet.mlflow_run_id).data.metrics)
+
+
+def test_a_registered_version_is_a_servable_mlflow_model_and_loading_it_leaves_the_store_as_committed(tmp_path):
+    """A local store and the embedded database registry (the demo's set-up): the version's source is a
+    view of hard links to the committed folder; MLflow reads its dependencies, serves it, and writes a
+    Dockerfile for it; nothing MLflow writes lands in the committed folder."""
+    import os
+    import urllib.request
+
+    import mlflow
+
+    from conftest import free_port, wait_http
+    from kfrl.store import Store
+
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    summary = train(tiny(tmp_path, f"tracking.uri={tracking}", "trainer.save_freq=2"), run_id="serve", iterations=2)
+    name, version = summary.registered_model, summary.registered_versions[2]
+    uri = f"models:/{name}/{version}"
+    weights = Run.at(summary.run_uri).manifest("update_actor", 2)
+    committed = Path(summary.run_uri) / weights.prefix / weights.attempt
+    assert {"MLmodel", "requirements.txt", "python_env.yaml", "conda.yaml"} <= set(weights.names())
+    source = MlflowClient(tracking_uri=tracking).get_model_version(name, version).source
+    assert Path(source) == Path(summary.run_uri) / "registry" / "iter-000002"
+    assert os.path.samefile(Path(source) / "model.safetensors", committed / "model.safetensors")  # no copy
+
+    mlflow.set_tracking_uri(tracking)
+    try:
+        requirements = Path(mlflow.pyfunc.get_model_dependencies(uri)).read_text().split()
+        answer = mlflow.pyfunc.load_model(uri).predict(["1 + 2 ="], params={"max_new_tokens": 3})
+    finally:
+        mlflow.set_tracking_uri(None)
+    pins = {line.split("==")[0]: line for line in requirements}
+    assert {"mlflow", "torch", "transformers"} <= set(pins) and all("==" in pin for pin in pins.values())
+    assert isinstance(answer[0], str) and not answer[0].startswith("1 + 2 =")  # the answer, not an echo
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    # mlflow models serve starts `uvicorn` from PATH: as in an activated venv.
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    with open(log, "w") as fh:
+        server = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m", uri,
+                                   "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+                                  stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ping", 120, server, log)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"inputs": ["1 + 2 =", "3 + 4 ="], "params": {"max_new_tokens": 3}}).encode())
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            predictions = json.loads(reply.read())["predictions"]
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(30)
+    assert len(predictions) == 2 and all(isinstance(text, str) for text in predictions)
+
+    build = subprocess.run([str(Path(sys.executable).with_name("mlflow")), "models", "generate-dockerfile", "-m", uri,
+                            "-d", str(tmp_path / "docker")], capture_output=True, text=True, env=env, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    assert "COPY model_dir /opt/ml/model" in (tmp_path / "docker" / "Dockerfile").read_text()
+    packaged = tmp_path / "docker" / "model_dir"
+    assert {"MLmodel", "model.safetensors", "requirements.txt", "python_env.yaml"} <= {p.name for p in packaged.iterdir()}
+
+    # Loading, serving and packaging wrote nothing into the committed folder: it holds what it committed.
+    on_disk = sorted(p.relative_to(committed).as_posix() for p in committed.rglob("*") if p.is_file())
+    assert on_disk == sorted(weights.names())
+    Store(summary.run_uri).committed_dir(weights)  # and its digests still match
+
+
+def test_one_lineage_across_experiment_names_with_registered_model_name(tmp_path):
+    """The same model trained under two experiment names: with tracking.registered_model_name both runs'
+    versions are versions of one model, and the second run is promoted against the first's champion."""
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    name = unique("gsm8k-policy")
+    common = [f"tracking.uri={tracking}", f"tracking.registered_model_name={name}"]
+    first = train(tiny(tmp_path / "a", *common, "trainer.experiment_name=spring"), run_id="spring", iterations=1)
+    second = train(tiny(tmp_path / "b", *common, "trainer.experiment_name=autumn"), run_id="autumn", iterations=1)
+    assert first.registered_model == second.registered_model == name
+    client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
+    assert sorted(v.tags["kfrl.run_id"] for v in client.search_model_versions(f"name='{name}'")) == ["autumn", "spring"]
+    assert promote(tracking, "spring").promoted
+    challenge = promote(tracking, "autumn", min_delta=1.0)  # better by more than 1: never
+    assert challenge.model == name and challenge.champion["run_id"] == "spring" and not challenge.promoted
+
+
+def test_a_run_driven_by_kfp_carries_its_kfp_run_and_each_iterations_run(tmp_path, monkeypatch):
+    import kfrl.driver
+    from kfrl.driver.local import InlineRunner
+
+    class KfpLike(InlineRunner):  # the stages as inline, the answer as the cluster runner's: a KFP run id
+        def run(self, run_uri, iteration, log_path, pipeline="iteration"):
+            super().run(run_uri, iteration, log_path, pipeline)
+            return f"kfp-iteration-{iteration}"
+
+    monkeypatch.setattr(kfrl.driver, "make_runner", lambda config: KfpLike())
+    monkeypatch.setenv("KFRL_KFP_RUN_ID", "rl-train-7")  # as rl_train's driver task sets it
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    summary = train(tiny(tmp_path, f"tracking.uri={tracking}", "pipeline.host=http://ml-pipeline.kubeflow:8888",
+                         "pipeline.ui_url=https://kubeflow.example.com/pipeline"), run_id="k", iterations=2)
+    tags = MlflowClient(tracking_uri=tracking).get_run(summary.mlflow_run_id).data.tags
+    assert tags["kfrl.kfp_run_id"] == "rl-train-7"
+    assert tags["kfrl.kfp_run_url"] == "https://kubeflow.example.com/pipeline/#/runs/details/rl-train-7"
+    assert [tags.get(f"kfrl.kfp_run.iter-{i:06d}") for i in (1, 2)] == ["kfp-iteration-1", "kfp-iteration-2"]
+    assert tags.get("mlflow.source.git.commit")  # this checkout's

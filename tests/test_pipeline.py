@@ -103,7 +103,7 @@ def test_cluster_runner_submits_the_runs_own_compiled_pipeline_and_records_the_s
         skipped = always_skipped(cfg)
         assert set(skipped) == {"gen_max", "old_logprob", "ref_logprob", "values", "update_critic"}
         runner = ClusterKfpRunner(cfg)
-        runner.run(run_uri, 3, Path("unused.log"))
+        assert runner.run(run_uri, 3, Path("unused.log")) == "run-1"  # the driver tags MLflow with it
         path, body = [p for p in FakeKfp.posted if p[0] == "/apis/v2beta1/runs"][-1]
         assert body["runtime_config"]["parameters"] == {"run_uri": run_uri, "iteration": 3}
         # A compiled package with Kubernetes settings (image pull policy, secrets, ...) is two YAML documents;

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import uuid
+from pathlib import Path
 
 import boto3
 import mlflow
@@ -250,8 +251,9 @@ def test_register_local_checkpoint(tracker, tracking_uri, client, tmp_path):
     (checkpoint / "model.safetensors").write_bytes(b"w")
     model = unique("policy")
 
-    version = tracker.register_checkpoint(model, str(checkpoint), 7)
-    assert tracker.register_checkpoint(model, str(checkpoint), 7) == version
+    view = tmp_path / "store" / "registry" / "iter-000007"
+    version = tracker.register_checkpoint(model, str(checkpoint), 7, view_dir=view)
+    assert tracker.register_checkpoint(model, str(checkpoint), 7, view_dir=view) == version
     assert len(versions_for_iteration(client, model, 7)) == 1
     registered = client.get_model_version(model, version)
     assert registered.tags["kfrl.store_uri"] == str(checkpoint)
@@ -268,7 +270,54 @@ def test_register_local_checkpoint(tracker, tracking_uri, client, tmp_path):
         with open(copy, "rb") as fh:
             assert fh.read() == b"w"
     else:
-        assert registered.source == str(checkpoint)
+        # The source is a view of hard links (the same data, no copy) outside the committed folder: what a
+        # load writes into a local source (MLflow's registered_model_meta) lands in the view.
+        assert registered.source == str(view)
+        assert os.path.samefile(view / "model.safetensors", checkpoint / "model.safetensors")
+        from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
+
+        (view / "MLmodel").write_text("flavors: {}\n")  # a folder MLflow treats as a model
+        (checkpoint / "MLmodel").write_text("flavors: {}\n")
+        mlflow.set_registry_uri(tracking_uri)
+        try:
+            loaded = ModelsArtifactRepository(f"models:/{model}/{version}").download_artifacts("")
+        finally:
+            mlflow.set_registry_uri(None)
+        assert Path(loaded) == view and (view / "registered_model_meta").is_file()
+        assert sorted(p.name for p in checkpoint.iterdir()) == ["MLmodel", "model.safetensors"]
+
+
+def test_a_local_checkpoint_without_a_view_is_not_registered_in_a_database(sqlite_uri, kfrl_run_id, tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    with pytest.raises(ValueError, match="view"):
+        Tracker(sqlite_uri, EXPERIMENT, kfrl_run_id).register_checkpoint(unique("policy"), str(checkpoint), 1)
+
+
+def test_a_linked_view_is_complete_or_absent(tmp_path, monkeypatch):
+    from kfrl.tracking import linked_view
+
+    folder = tmp_path / "committed"
+    (folder / "components" / "tokenizer").mkdir(parents=True)
+    (folder / "MLmodel").write_text("m")
+    (folder / "components" / "tokenizer" / "tokenizer.json").write_text("t")
+    calls = []
+
+    def failing_link(source, target):
+        calls.append(source)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # a kill while the view is built
+        os_link(source, target)
+
+    os_link = os.link
+    monkeypatch.setattr(os, "link", failing_link)
+    with pytest.raises(KeyboardInterrupt):
+        linked_view(folder, tmp_path / "view")
+    assert not (tmp_path / "view").exists()
+    monkeypatch.setattr(os, "link", os_link)
+    view = linked_view(folder, tmp_path / "view")
+    assert (view / "components" / "tokenizer" / "tokenizer.json").read_text() == "t"
+    assert not (tmp_path / "view.partial").exists()
 
 
 def test_alias_points_at_the_version(tracker, client):

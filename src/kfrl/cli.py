@@ -216,6 +216,47 @@ def export(
     typer.echo(f"exported iteration {result.iteration} of {run_uri} to {result.path}")
 
 
+@app.command()
+def gc(
+    run: str = typer.Option(..., "--run", help="the run id (as printed by kfrl train)"),
+    store: str = typer.Option("./kfrl-runs/store", "--store", help="the store the run lives in"),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="trainer.experiment_name of the run "
+                                             "(found by searching the store when omitted)"),
+    keep: Optional[int] = typer.Option(None, "--keep", min=1, help="policy weights to keep: the newest K iterations "
+                                       "(default: the run's trainer.keep_policy_weights)"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI whose registered "
+                                               "versions are kept (default: the run's tracking.uri)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="say what would be deleted; delete nothing"),
+):
+    """Delete a run's old policy weights by the retention rule of trainer.keep_policy_weights: the newest
+    K, the initial model, every save_freq-th, those beside a kept trainer state and every registered
+    MLflow version stay; files of withdrawn commits go too."""
+    from mlflow import MlflowClient
+
+    from kfrl.export import find_run
+    from kfrl.retention import collect_garbage
+    from kfrl.run import Run
+    from kfrl.tracking import registered_iterations, resolve_tracking_uri
+
+    try:
+        run_dir = Run.at(find_run(store, run, experiment))
+        config = run_dir.config()
+        keep = keep or config.trainer.keep_policy_weights
+        if keep <= 0:
+            raise ValueError(f"run {run} keeps every policy (trainer.keep_policy_weights=0): pass --keep K")
+        uri = resolve_tracking_uri(tracking_uri or config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI", ""))
+        registered = registered_iterations(MlflowClient(tracking_uri=uri, registry_uri=uri), run_dir.uri.rstrip("/").rsplit("/", 1)[-1])
+        result = collect_garbage(run_dir, keep, config.trainer.save_freq, registered, dry_run=dry_run)
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
+        _fail(str(err), code=EXIT_FAILED)
+    verb = "would delete" if dry_run else "deleted"
+    typer.echo(f"{verb} the policy weights of {len(result.deleted)} iteration(s) of {run_dir.uri}: "
+               f"{', '.join(map(str, result.deleted)) or 'none'}")
+    for iteration, why in sorted(result.kept_for.items()):
+        typer.echo(f"  kept iteration {iteration}: {why}")
+    typer.echo(f"{verb} {len(result.orphans)} file(s) no commit names")
+
+
 @app.command(name="compile")
 def compile_cmd(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="shape the tasks for a cluster from this "

@@ -284,6 +284,10 @@ class TrainerConfig(Section):
     # kept for the last keep_trainer_states iterations and at every save_freq-th; older states are
     # deleted. 0 = keep every one. The policy weights of every iteration are always kept.
     keep_trainer_states: int = Field(2, ge=0)
+    # Policy weights (iter-N/update_actor) kept for the newest k iterations up to LATEST, plus the initial
+    # model, every save_freq-th, those beside a kept trainer state and every registered MLflow version;
+    # older ones are deleted as the run goes (kfrl.retention; `kfrl gc` for runs already done). 0 keeps all.
+    keep_policy_weights: int = Field(0, ge=0)
     # Where the process keeps its training copy (the resident engine, the inline runner), the trainer
     # state is written every trainer_state_freq iterations (and at the last one and every save_freq-th)
     # instead of every iteration: k times less to write (12 bytes per parameter). After a crash the
@@ -362,6 +366,8 @@ class PipelineConfig(Section):
     # ($KF_PIPELINES_SA_TOKEN_PATH, default /var/run/secrets/kubeflow/pipelines/token) when present.
     host: str = ""
     namespace: str = ""
+    # The KFP UI as a person opens it, for the links in MLflow (kfrl.kfp_run_url); "" = host.
+    ui_url: str = ""
     pipeline_root: str = "./kfrl-runs/kfp"
     run_timeout_s: int = 3600
 

@@ -127,3 +127,20 @@ def workload_namespace(cfg) -> str:
         return (active or {}).get("context", {}).get("namespace") or "default"
     except Exception:  # noqa: BLE001 - no kubeconfig: the default namespace
         return "default"
+
+
+def own_pod_image(cfg, environ=os.environ) -> tuple[str, str] | None:
+    """(image, imageID) of this pod's first container as the kubelet reports it (``imageID`` names the
+    digest the node runs, whatever tag the spec asked for); the pod from ``KFRL_POD_NAME`` (the downward
+    API). None outside a pod, or when the API does not answer."""
+    name = environ.get("KFRL_POD_NAME", "")
+    if not name:
+        return None
+    try:
+        from kubernetes import client
+
+        api = client.CoreV1Api(client.ApiClient(api_configuration()))
+        statuses = api.read_namespaced_pod(name, workload_namespace(cfg)).status.container_statuses or []
+    except Exception:  # noqa: BLE001 - provenance is best effort: no credentials, no RBAC, no answer
+        return None
+    return (statuses[0].image or "", statuses[0].image_id or "") if statuses else None

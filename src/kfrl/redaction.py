@@ -32,6 +32,12 @@ SECRET_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "AWS_SE
 _SHORTEST_VALUE = 4  # shorter values would mask ordinary words
 
 
+def without_userinfo(uri: str) -> str:
+    """``scheme://user:pw@host/...`` → ``scheme://host/...``: a URI another process may be given, whose
+    credentials it takes from its own environment (a secret)."""
+    return _USERINFO.sub(r"\1", uri)
+
+
 def is_secret_key(name: str) -> bool:
     """Whether a key (the last part of a dotted name) holds a secret value: ``password``,
     ``api_key``, ``aws_secret_access_key``, ``hf_token``...; not ``secret`` or ``secret_keys``."""

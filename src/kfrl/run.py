@@ -47,6 +47,13 @@ def stage_prefix(iteration: int, stage: str) -> str:
     return f"iter-{_check_iteration(iteration):06d}/{stage}"
 
 
+def registry_view(iteration: int) -> str:
+    """Where the registered policy version of ``iteration`` is linked for MLflow (relative to the run):
+    hard links to the committed files, outside every committed folder, since MLflow writes into the
+    folder it loads a local version from (``kfrl.tracking.linked_view``)."""
+    return f"registry/iter-{_check_iteration(iteration):06d}"
+
+
 _STAGE_PREFIX = re.compile(r"^iter-(\d+)/(.+)$")
 
 
@@ -154,14 +161,10 @@ class Run:
         return metrics
 
     def committed_iterations(self, stage: str) -> list[int]:
-        """Iterations with a committed ``stage`` (0..LATEST are, by how runs are recorded; probe the rest)."""
-        latest = self.latest()
-        known = set(range(INIT_ITERATION, latest + 1)) if latest is not None else set()
-        for name in self.store.subdirs(""):
-            match = _ITERATION_DIR.match(name)
-            if match and int(match.group(1)) not in known and self.is_committed(stage, int(match.group(1))):
-                known.add(int(match.group(1)))
-        return sorted(known)
+        """Iterations with a committed ``stage``, each probed (retention removes old ones: a run's
+        iterations up to LATEST need not all hold it)."""
+        iterations = [int(match.group(1)) for match in map(_ITERATION_DIR.match, self.store.subdirs("")) if match]
+        return sorted(i for i in iterations if self.is_committed(stage, i))
 
     # --- LATEST -----------------------------------------------------------------------------------
     def latest(self) -> int | None:

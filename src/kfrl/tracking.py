@@ -15,6 +15,12 @@ it lies inside the run's artifact directory (and its clients could not read one 
 checkpoint behind a server the Tracker copies the checkpoint folder into the run's artifacts
 (``checkpoints/iter-NNNNNN``) and registers ``runs:/<run_id>/checkpoints/iter-NNNNNN`` instead. Either
 way the model version carries the real store URI in its tag ``kfrl.store_uri``.
+
+A registry on a database, given the committed folder itself, would let MLflow write into it: loading
+``models:/NAME/N`` from a local source returns the source folder and adds ``registered_model_meta`` to
+it. So a local checkpoint is registered through a view of its own (``view_dir``, outside the committed
+folders): a folder of hard links to the committed files (no second copy of the weights), which loads
+may write into. Where a hard link cannot be made (another file system), the file is copied.
 """
 from __future__ import annotations
 
@@ -278,6 +284,64 @@ def require_no_quote(kind: str, value: str) -> None:
         raise ValueError(f"{kind} must not contain a single quote: {value!r}")
 
 
+def linked_view(folder: Path, view: Path) -> Path:
+    """``view``: a folder with ``folder``'s files as hard links (copies where a link cannot be made),
+    built beside and renamed into place, so a view either is complete or does not exist."""
+    import shutil
+
+    if (view / "MLmodel").is_file():
+        return view
+    partial = view.with_name(view.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    for source in sorted(folder.rglob("*")):
+        if source.is_file():
+            target = partial / source.relative_to(folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copy2(source, target)
+    partial.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(view, ignore_errors=True)
+    os.replace(partial, view)
+    return view
+
+
+def start_system_metrics(mlflow_run_id: str, tracking_uri: str, *, node_id: str | None = None,
+                         interval_s: float = 10.0):
+    """MLflow's ``SystemMetricsMonitor`` sampling this process's machine into a run (metric names
+    ``system/[node_id/]...``); None when MLflow cannot sample here (no psutil, no NVML)."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(mlflow_run_id, sampling_interval=interval_s, resume_logging=True,
+                                       node_id=node_id, tracking_uri=tracking_uri)
+        monitor.start()
+    except Exception as err:  # noqa: BLE001 - a missing psutil or NVML must not stop training
+        logger.warning("system metrics are off: %s", err)
+        return None
+    return monitor
+
+
+def stop_system_metrics(monitor) -> None:
+    """Stop sampling; one last sample is logged first, so even a run shorter than the sampling
+    interval has its system metrics."""
+    if monitor is None:
+        return
+    try:
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
+    except Exception as err:  # noqa: BLE001 - the metrics are a nicety; finishing the run is not
+        logger.warning("last system metrics sample not logged: %s", err)
+    monitor.finish()  # flushes what was published
+
+
+def registered_iterations(client, kfrl_run_id: str) -> set[int]:
+    require_no_quote("run id", kfrl_run_id)
+    versions = client.search_model_versions(f"tag.`{RUN_ID_TAG}`='{kfrl_run_id}'")
+    return {int(v.tags[ITERATION_TAG]) for v in versions if str(v.tags.get(ITERATION_TAG, "")).isdigit()}
+
+
 def checkpoint_artifact_dir(iteration: int) -> str:
     return f"checkpoints/iter-{iteration:06d}"
 
@@ -373,31 +437,12 @@ class Tracker:
     def start_system_metrics(self, interval_s: float = 10.0) -> bool:
         """MLflow's system metrics (CPU, memory, disk, network; GPU through pynvml) logged to this run
         every ``interval_s`` until ``finish``. False when MLflow cannot sample here."""
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            self._system_metrics = SystemMetricsMonitor(self.mlflow_run_id, sampling_interval=interval_s,
-                                                        resume_logging=True, tracking_uri=self.tracking_uri)
-            self._system_metrics.start()
-        except Exception as err:  # noqa: BLE001 - a missing psutil or NVML must not stop training
-            logger.warning("system metrics are off: %s", err)
-            self._system_metrics = None
-            return False
-        return True
+        self._system_metrics = start_system_metrics(self.mlflow_run_id, self.tracking_uri, interval_s=interval_s)
+        return self._system_metrics is not None
 
     def stop_system_metrics(self) -> None:
-        """Stop sampling; one last sample is logged first, so even a run shorter than the sampling
-        interval has its system metrics."""
-        monitor = getattr(self, "_system_metrics", None)
-        if monitor is None:
-            return
-        self._system_metrics = None
-        try:
-            monitor.collect_metrics()
-            monitor.publish_metrics(monitor.aggregate_metrics())
-        except Exception as err:  # noqa: BLE001 - the metrics are a nicety; finishing the run is not
-            logger.warning("last system metrics sample not logged: %s", err)
-        monitor.finish()  # flushes what was published
+        monitor, self._system_metrics = getattr(self, "_system_metrics", None), None
+        stop_system_metrics(monitor)
 
     def __enter__(self) -> Tracker:
         return self
@@ -538,10 +583,10 @@ class Tracker:
     # --- model registry ------------------------------------------------------------------------
 
     def register_checkpoint(self, model_name: str, source_uri: str, iteration: int, *,
-                            tags: Mapping | None = None) -> str:
-        """Register the checkpoint folder at source_uri (an HF directory with an MLmodel file) as a
+                            tags: Mapping | None = None, view_dir: str | Path | None = None) -> str:
+        """Register the checkpoint folder at source_uri (an HF directory that is an MLflow model) as a
         version of model_name, once per (kfrl run, iteration). Returns the version, the existing one
-        on a repeated call."""
+        on a repeated call. ``view_dir``: where a local checkpoint's linked view goes (module docstring)."""
         require_no_quote("model_name", model_name)
         existing = self.find_checkpoint_version(model_name, iteration)
         if existing is not None:
@@ -556,12 +601,16 @@ class Tracker:
         })
         version = self.client.create_model_version(
             model_name,
-            self._model_version_source(store_uri, iteration),
+            self._model_version_source(store_uri, iteration, view_dir),
             run_id=self.mlflow_run_id,
             tags=version_tags,
             await_creation_for=0,  # sources are registered as they are; nothing to wait for
         )
         return str(version.version)
+
+    def registered_iterations(self) -> set[int]:
+        """The iterations of this kfrl run with a registered model version (in any registered model)."""
+        return registered_iterations(self.client, self.kfrl_run_id)
 
     def find_checkpoint_version(self, model_name: str, iteration: int) -> str | None:
         """The version registered for this kfrl run's iteration, or None."""
@@ -579,9 +628,14 @@ class Tracker:
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
 
-    def _model_version_source(self, store_uri: str, iteration: int) -> str:
-        if not is_local_uri(store_uri) or accepts_local_sources(self.tracking_uri):
-            return store_uri
+    def _model_version_source(self, store_uri: str, iteration: int, view_dir: str | Path | None) -> str:
+        if not is_local_uri(store_uri):
+            return store_uri  # a load downloads it into a folder of its own
+        if accepts_local_sources(self.tracking_uri):
+            if view_dir is None:
+                raise ValueError("a local checkpoint is registered through a view (view_dir): a load from "
+                                 "MLflow would write into the committed folder")
+            return str(linked_view(Path(store_uri.removeprefix("file://")), Path(view_dir)))
         # A server refuses local sources outside the run's artifacts, and its clients could not read
         # them anyway: the checkpoint folder goes into the run's artifacts (a copy: the store is not
         # where this server keeps artifacts), and the version points there.

@@ -30,7 +30,7 @@ class ClusterKfpRunner:
         self._pipelines: dict[str, tuple] = {}  # run URI -> (its store, the manifest of its compiled pipelines)
         self.engine = None  # the run's EngineWorkload, while the driver holds one
 
-    def start_engine(self, run, log_path=None, log=print):
+    def start_engine(self, run, log_path=None, log=print, metrics_run: tuple[str, str] | None = None):
         """The run's engine on the cluster (``pipeline.engines=resident``): created, owned by this
         driver's pod, and ready before the first iteration is submitted; None with per-task engines
         or a multi-node update (its job is the update's GPU workload). Raises ``IterationFailed``
@@ -41,7 +41,8 @@ class ClusterKfpRunner:
         from kfrl.kube import KubernetesUnavailable
 
         try:
-            self.engine = cluster_engine(self.config, run.uri, run.uri.rstrip("/").rsplit("/", 1)[-1], log=log)
+            self.engine = cluster_engine(self.config, run.uri, run.uri.rstrip("/").rsplit("/", 1)[-1], log=log,
+                                         metrics_run=metrics_run)
             self.engine.start()
         except (EngineWorkloadError, KubernetesUnavailable) as err:
             if self.engine is not None:
@@ -70,7 +71,8 @@ class ClusterKfpRunner:
             self._client = kfp_client(self.config.pipeline)
         return self._client
 
-    def run(self, run_uri: str, iteration: int, log_path: Path, pipeline: str = "iteration") -> None:
+    def run(self, run_uri: str, iteration: int, log_path: Path, pipeline: str = "iteration") -> str:
+        """Submit the iteration's KFP run and wait for it; returns its KFP run id."""
         import tempfile
 
         from kfrl.pipelines.rl_iteration import pipeline_for
@@ -94,6 +96,7 @@ class ClusterKfpRunner:
         if "SUCCEEDED" not in state:
             raise IterationFailed(f"iteration {iteration}: KFP run {result.run_id} ended in state {state}; "
                                   f"see the run in the KFP UI at {self.config.pipeline.host}")
+        return result.run_id
 
     def wait(self, kfp_run_id: str) -> str:
         """Poll the iteration run until it ends; meanwhile keep the run's engine alive (a task that finds

@@ -16,7 +16,8 @@ from pathlib import Path
 from kfrl.config import Config
 from kfrl.faults import failpoint
 from kfrl.redaction import redact
-from kfrl.run import POLICY_STAGE, Run
+from kfrl.models.mlmodel import MLMODEL_FILE
+from kfrl.run import POLICY_STAGE, Run, registry_view
 from kfrl.stages import METRIC_ORDER, STAGES, TIMING_NAMES, plan, skip_reason
 from kfrl.store import Store
 
@@ -70,13 +71,17 @@ def mlflow_run_name(experiment_name: str, run_id: str) -> str:
     return f"{experiment_name}-{run_id.rsplit('-', 1)[-1][:12]}"
 
 
-def run_tags(config: Config, run_uri: str) -> dict[str, str]:
-    """Where the run came from: the code (git commit when run from a checkout), kfrl's version, the
-    config's hash, who ran it and how."""
+def run_tags(config: Config, run_uri: str, environ=None) -> dict[str, str]:
+    """Where the run came from: the code (the checkout's git commit, else the commit the image was built
+    from: ``KFRL_GIT_COMMIT``), kfrl's version, the config's hash, who ran it and how; in a KFP run the
+    run's id and UI link, and the image the driver's pod runs, by digest."""
     import getpass
     import hashlib
+    import os
     import subprocess
     from importlib import metadata
+
+    environ = os.environ if environ is None else environ
 
     tags = {"kfrl.store_uri": run_uri, "kfrl.runner": config.pipeline.runner,
             "kfrl.config_hash": hashlib.sha256(config.to_yaml().encode()).hexdigest()[:16],
@@ -98,7 +103,37 @@ def run_tags(config: Config, run_uri: str) -> dict[str, str]:
             tags["kfrl.git_dirty"] = str(bool(dirty.stdout.strip())).lower()
     except (OSError, subprocess.SubprocessError):
         pass
+    if "mlflow.source.git.commit" not in tags and environ.get("KFRL_GIT_COMMIT", "unknown") != "unknown":
+        tags["mlflow.source.git.commit"] = environ["KFRL_GIT_COMMIT"]
+    tags.update(kfp_tags(config, environ))
     return tags
+
+
+def kfp_tags(config: Config, environ) -> dict[str, str]:
+    """The KFP run that drives this one (``rl_train``'s task sets ``KFRL_KFP_RUN_ID``) and the image of
+    its pod; {} outside KFP."""
+    from kfrl.driver.engine.workload import KFP_RUN_VARIABLE
+
+    kfp_run_id = environ.get(KFP_RUN_VARIABLE, "")
+    if not kfp_run_id:
+        return {}
+    tags = {"kfrl.kfp_run_id": kfp_run_id, "mlflow.source.type": "JOB",
+            "mlflow.source.name": f"kfrl rl_train (KFP run {kfp_run_id})"}
+    ui = (config.pipeline.ui_url or config.pipeline.host or environ.get("KF_PIPELINES_ENDPOINT", "")).rstrip("/")
+    if ui:
+        tags["kfrl.kfp_run_url"] = kfp_run_url(ui, kfp_run_id)
+    from kfrl.kube import own_pod_image
+
+    image = own_pod_image(config, environ)
+    if image:
+        tags["kfrl.image"], image_id = image
+        if "@sha256:" in image_id:
+            tags["kfrl.image_digest"] = "sha256:" + image_id.split("@sha256:", 1)[1]
+    return tags
+
+
+def kfp_run_url(ui: str, kfp_run_id: str) -> str:
+    return f"{ui.rstrip('/')}/#/runs/details/{kfp_run_id}"
 
 
 def log_datasets(run: Run, tracker) -> None:
@@ -341,7 +376,7 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     logs = Path(log_dir or Path(config.pipeline.pipeline_root) / "logs") / run_id
     engine = None
     try:
-        engine = start_engine(runner, run, config, logs, console)
+        engine = start_engine(runner, run, config, logs, console, tracker)
         if latest == 0 and not skip_reason("validate", config, 0):
             with console.status("validating the initial policy (trainer.val_before_train)"):
                 runner.run(run_uri, 0, logs / "validate-000000.log", pipeline="validate")
@@ -354,8 +389,10 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
             label = f"iteration {iteration}/{total}"
             started = time.perf_counter()
             with console.status(label) as status, StageWatcher(run, iteration, status, label):
-                runner.run(run_uri, iteration, logs / f"iter-{iteration:06d}.log")
+                kfp_run_id = runner.run(run_uri, iteration, logs / f"iter-{iteration:06d}.log")
             step_time = time.perf_counter() - started
+            if kfp_run_id:  # the iteration's own KFP run, one tag per iteration
+                tracker.set_tags({f"kfrl.kfp_run.iter-{iteration:06d}": kfp_run_id})
             metrics = record_iteration(run, tracker, config, iteration, step_time, summary)
             console.print(iteration_line(iteration, total, metrics, stage_plan))
             if any(key.startswith("val-core/") for key in metrics):
@@ -376,7 +413,7 @@ def train(config: Config, *, run_id: str | None = None, iterations: int | None =
     return summary
 
 
-def start_engine(runner, run: Run, config: Config, logs: Path, console):
+def start_engine(runner, run: Run, config: Config, logs: Path, console, tracker=None):
     """The run's resident engine (``pipeline.engines=resident``): a child process for the local runner
     (when it cannot start, the tasks run their stages themselves: slower, the same results), a
     Kubernetes workload on a cluster (``ClusterKfpRunner.start_engine``: without it the run fails, its
@@ -385,7 +422,11 @@ def start_engine(runner, run: Run, config: Config, logs: Path, console):
         return None
     if config.pipeline.runner == "kfp":
         with console.status("starting the run's engine on the cluster"):
-            engine = runner.start_engine(run, log=lambda line: console.print(f"[dim]{line}[/]"))
+            # The engine has the GPUs the driver's pod lacks: it logs their system metrics into the run.
+            metrics_run = (tracker.mlflow_run_id, tracker.tracking_uri) \
+                if tracker is not None and config.tracking.system_metrics else None
+            engine = runner.start_engine(run, log=lambda line: console.print(f"[dim]{line}[/]"),
+                                         metrics_run=metrics_run)
         if engine is not None:
             console.print(f"engine {engine.namespace}/{engine.name} ready at {engine.url}")
         return engine
@@ -433,20 +474,30 @@ def record_iteration(run: Run, tracker, config: Config, iteration: int, step_tim
     due = iteration == config.trainer.total_iterations or (save > 0 and iteration % save == 0)
     actor_update = run.manifest(POLICY_STAGE, iteration)
     if due and actor_update is not None and not actor_update.info.get("skipped"):  # none during critic warm-up
-        from kfrl.tracking import VALIDATION_PREFIX, mlflow_metric_name
+        from kfrl.tracking import VALIDATION_PREFIX, TrackingError, mlflow_metric_name
 
         from kfrl.store import settle_in_flight
 
         settle_in_flight()  # the folder must be complete (an update may still be writing it)
-        # The version's source is the committed folder itself: an HF directory with an MLmodel file.
+        # The version is the committed folder: an HF directory that is also an MLflow model.
         folder = run.store.url(f"{actor_update.prefix}/{actor_update.attempt}")
+        if MLMODEL_FILE not in actor_update.names():
+            raise TrackingError(f"the policy checkpoint {folder} is no MLflow model (no {MLMODEL_FILE}: the update ran "
+                                "where MLflow is not installed); it cannot be registered. Install mlflow in the "
+                                "update's image, or set trainer.save_freq=0 to register nothing")
         tags = {mlflow_metric_name(k): f"{v:.8g}" for k, v in metrics.items() if k.startswith(VALIDATION_PREFIX)}
         tags["mlflow_run_id"] = tracker.mlflow_run_id
         summary.registered_versions[iteration] = tracker.register_checkpoint(
-            config.registered_model_name, folder, iteration, tags=tags)
+            config.registered_model_name, folder, iteration, tags=tags,
+            view_dir=run.store.url(registry_view(iteration)) if not run.store.is_s3 else None)
         failpoint("registration")
     run.set_latest(iteration)
     failpoint("latest")
+    if config.trainer.keep_policy_weights > 0:  # after LATEST: nothing the next iteration reads goes
+        from kfrl.retention import apply_policy_retention
+
+        apply_policy_retention(run, config.trainer.keep_policy_weights, config.trainer.save_freq,
+                               tracker.registered_iterations())
     summary.iterations[iteration] = metrics
     return metrics
 

@@ -1,69 +1,109 @@
-"""An MLflow ``MLmodel`` file for a policy checkpoint folder, written without importing MLflow (the
-engine image may not have it), so the folder the store commits is itself an MLflow model:
-``mlflow.transformers.load_model("models:/<name>/<version>")`` and ``mlflow.pyfunc.load_model`` read it,
-and ``AutoModelForCausalLM.from_pretrained`` reads the same folder as a plain HF directory.
+"""The policy checkpoint folder as an MLflow model, written with MLflow's own model API.
 
-MLflow's transformers flavour expects the weights under ``model_binary`` (here ``.``, the folder itself:
-no second copy of the weights) and each component under ``components/<name>/`` (the tokenizer files are
-copied there; they are small).
+The folder the store commits is at once an HF directory (``AutoModelForCausalLM.from_pretrained``) and
+an MLflow model of the transformers flavour with a pyfunc entry: ``mlflow.transformers.load_model``,
+``mlflow.pyfunc.load_model``, ``mlflow models serve`` and ``get_model_dependencies`` read it, and its
+``requirements.txt`` / ``python_env.yaml`` / ``conda.yaml`` let ``mlflow models build-docker`` or
+``--env-manager virtualenv`` rebuild the environment. The weights are the folder's own files
+(``model_binary: .``): there is no second copy.
+
+``mlflow.transformers.save_model`` itself is not used: it copies the weights into the model folder
+(a checkpoint path or a pipeline: ``save_pretrained``), fetches a model card from the Hub, and with
+transformers 5 its local-checkpoint path fails (MLflow 3.17 reads a task's ``impl`` as a class). This
+module builds the same ``MLmodel`` with MLflow's public pieces for an existing folder
+(``mlflow.models.Model``, ``Model.add_flavor``, ``mlflow.pyfunc.add_to_model``) and the environment
+files with MLflow's writers.
+
+A process without MLflow (a slim inference image) writes the HF directory only; ``write_mlmodel`` then
+returns None, the commit records it (``mlflow_model: false``) and registering that checkpoint fails
+saying why.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
-import platform
-import uuid
-from datetime import datetime, timezone
+import re
 from importlib import metadata
 from pathlib import Path
 
 MLMODEL_FILE = "MLmodel"
 TOKENIZER_COMPONENT = "components/tokenizer"
+ENVIRONMENT_FILES = ("requirements.txt", "python_env.yaml", "conda.yaml")
+# What loading and serving the folder imports. mlflow itself is added by MLflow's environment writers.
+SERVING_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
+# Generation defaults of the pyfunc entry (a request's params override them): a policy's answer, not
+# an echo of the prompt.
+GENERATION_DEFAULTS = {"max_new_tokens": 256, "return_full_text": False}
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+def mlflow_available() -> bool:
+    return importlib.util.find_spec("mlflow") is not None
 
 
-def write_mlmodel(folder: str | Path, tokenizer, dtype) -> Path:
-    """Add ``MLmodel`` and ``components/tokenizer/`` to an HF model folder saved by ``save_hf``."""
-    import yaml
+def pinned_requirements(packages=SERVING_PACKAGES) -> list[str]:
+    """``name==version`` of each installed package; a local version label (``2.13.0+cpu``) is dropped so
+    an index can resolve the pin. Packages not installed are left out."""
+    pins = []
+    for package in packages:
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+        pins.append(f"{package}=={re.sub(r'[+].*$', '', version)}")
+    return pins
 
+
+def write_mlmodel(folder: str | Path, tokenizer, dtype) -> Path | None:
+    """Make the HF folder saved by ``save_hf`` an MLflow model: ``components/tokenizer/``, ``MLmodel`` and
+    the environment files. Returns the MLmodel path, or None where MLflow is not installed."""
     from kfrl.models.hf_io import save_tokenizer
+
+    if not mlflow_available():
+        return None
+    from mlflow import pyfunc
+    from mlflow.models import Model, ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     save_tokenizer(tokenizer, folder / TOKENIZER_COMPONENT)
-    transformers_version = _version("transformers") or ""
+    transformers_version = metadata.version("transformers")
+    signature = ModelSignature(
+        inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+        params=ParamSchema([ParamSpec("max_new_tokens", "long", GENERATION_DEFAULTS["max_new_tokens"]),
+                            ParamSpec("do_sample", "boolean", False),
+                            ParamSpec("temperature", "double", 1.0)]))
+    model = Model(signature=signature)
     flavor = {
         "code": None,
         "components": ["tokenizer"],
         "instance_type": "TextGenerationPipeline",
-        "model_binary": ".",
+        "model_binary": ".",  # the folder itself: the weights are not copied
         "pipeline_model_type": (config.get("architectures") or ["AutoModelForCausalLM"])[0],
         "source_model_name": "",
         "task": "text-generation",
         "tokenizer_type": type(tokenizer).__name__,
         "torch_dtype": str(dtype),
-        "transformers_version": transformers_version,
     }
-    if transformers_version and int(transformers_version.split(".")[0]) < 5:
+    if int(transformers_version.split(".")[0]) < 5:
         flavor["framework"] = "pt"  # transformers 4 pipelines take it; 5 refuses it
-    mlmodel = {
-        "flavors": {
-            "python_function": {"loader_module": "mlflow.transformers", "python_version": platform.python_version()},
-            "transformers": flavor,
-        },
-        "model_uuid": uuid.uuid4().hex,
-        "utc_time_created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f"),
-        "signature": {"inputs": '[{"type": "string", "required": true}]',
-                      "outputs": '[{"type": "string", "required": true}]', "params": None},
-    }
-    mlflow_version = _version("mlflow")
-    if mlflow_version:
-        mlmodel["mlflow_version"] = mlflow_version
+    model.add_flavor("transformers", transformers_version=transformers_version, **flavor)
+    pyfunc.add_to_model(model, loader_module="mlflow.transformers", conda_env="conda.yaml",
+                        python_env="python_env.yaml", model_config=dict(GENERATION_DEFAULTS))
+    model.model_size_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     path = folder / MLMODEL_FILE
-    path.write_text(yaml.safe_dump(mlmodel, sort_keys=True))
+    model.save(str(path))
+    write_environment(folder)
     return path
+
+
+def write_environment(folder: Path) -> None:
+    """requirements.txt, python_env.yaml and conda.yaml as MLflow's flavours write them (its environment
+    writers; mlflow pinned to the running version)."""
+    import yaml
+    from mlflow.utils.environment import _mlflow_conda_env, _process_pip_requirements, _PythonEnv
+
+    conda_env, pip_requirements, _constraints = _process_pip_requirements(pinned_requirements())
+    (folder / "requirements.txt").write_text("\n".join(pip_requirements) + "\n")
+    (folder / "conda.yaml").write_text(yaml.safe_dump(conda_env or _mlflow_conda_env(), default_flow_style=False))
+    _PythonEnv.current().to_yaml(str(folder / "python_env.yaml"))

@@ -15,6 +15,9 @@ HEALTH_TIMEOUT_S = 3.0
 
 # The run's engine token: the engine serves only requests that carry it; its tasks send it.
 TOKEN_VARIABLE, TOKEN_FILE_VARIABLE = "KFRL_ENGINE_TOKEN", "KFRL_ENGINE_TOKEN_FILE"
+# The MLflow run an engine on a cluster logs its machine's system metrics into (the driver's pod has no
+# GPU): set with MLFLOW_TRACKING_URI in the engine pod's environment when tracking.system_metrics is on.
+METRICS_RUN_VARIABLE = "KFRL_MLFLOW_RUN_ID"
 
 
 def engine_token(environ=os.environ) -> str:

@@ -156,9 +156,14 @@ def serve(run_uri: str, *, host: str = "127.0.0.1", port: int = 0, advertise: st
 
     update.write_states_in_background(True)  # this process outlives its stages: trainer state off the critical path
     print(f"[engine] serving {run.uri} at {url} (pid {os.getpid()})", flush=True)
+    metrics = start_engine_system_metrics()
     try:
         server.run(sockets=[sock])
     finally:
+        if metrics is not None:
+            from kfrl.tracking import stop_system_metrics
+
+            stop_system_metrics(metrics)
         started = time.perf_counter()
         update.drain()  # trainer state still being written is finished before the engine goes
         print(f"[engine] trainer state written ({time.perf_counter() - started:.1f}s)", flush=True)
@@ -166,6 +171,23 @@ def serve(run_uri: str, *, host: str = "127.0.0.1", port: int = 0, advertise: st
         if engine is not None and engine.get("pid") == os.getpid():
             run.clear_engine()
         print("[engine] stopped", flush=True)
+
+
+def start_engine_system_metrics(environ=os.environ):
+    """MLflow's system metrics of the engine's machine (its GPUs: the driver's pod on a cluster has none),
+    logged as ``system/engine/...`` into the run's MLflow run when the driver named it
+    (``KFRL_MLFLOW_RUN_ID`` and ``MLFLOW_TRACKING_URI``); None otherwise."""
+    from kfrl.driver.engine.client import METRICS_RUN_VARIABLE
+
+    mlflow_run_id, tracking_uri = environ.get(METRICS_RUN_VARIABLE, ""), environ.get("MLFLOW_TRACKING_URI", "")
+    if not mlflow_run_id or not tracking_uri:
+        return None
+    from kfrl.tracking import start_system_metrics
+
+    monitor = start_system_metrics(mlflow_run_id, tracking_uri, node_id="engine")
+    if monitor is not None:
+        print(f"[engine] system metrics into MLflow run {mlflow_run_id} (system/engine/...)", flush=True)
+    return monitor
 
 
 def _exit_with_parent(parent_pid: int, stop) -> None:

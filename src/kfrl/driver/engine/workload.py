@@ -96,8 +96,10 @@ def engine_labels(run_id: str, kfp_run_id: str = "") -> dict:
 
 
 def engine_manifests(config, run_uri: str, run_id: str, *, namespace: str, token: str, owner: dict | None = None,
-                     kfp_run_id: str = "", port: int = ENGINE_PORT) -> dict[str, dict]:
-    """The run's engine as Kubernetes objects: {"secret", "service", "network_policy", "pod"}."""
+                     kfp_run_id: str = "", port: int = ENGINE_PORT,
+                     metrics_run: tuple[str, str] | None = None) -> dict[str, dict]:
+    """The run's engine as Kubernetes objects: {"secret", "service", "network_policy", "pod"}.
+    ``metrics_run``: (MLflow run id, tracking URI) the engine logs its system metrics into."""
     name = engine_name(run_id)
     labels = engine_labels(run_id, kfp_run_id)
     selector = {LABEL_RUN: labels[LABEL_RUN], LABEL_COMPONENT: COMPONENT}
@@ -124,6 +126,12 @@ def engine_manifests(config, run_uri: str, run_id: str, *, namespace: str, token
         {"name": TOKEN_KEY, "valueFrom": {"secretKeyRef": {"name": name, "key": TOKEN_KEY}}},
         {"name": "KFRL_ENGINE_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
+    if metrics_run is not None:  # (MLflow run id, tracking URI): credentials come from the secret, never here
+        from kfrl.driver.engine.client import METRICS_RUN_VARIABLE
+        from kfrl.redaction import without_userinfo
+
+        env += [{"name": METRICS_RUN_VARIABLE, "value": metrics_run[0]},
+                {"name": "MLFLOW_TRACKING_URI", "value": without_userinfo(metrics_run[1])}]
     volumes, mounts = shm_volume(cluster)
     container = {
         "name": CONTAINER, "image": cluster.image, "imagePullPolicy": cluster.image_pull_policy,
@@ -212,6 +220,7 @@ class EngineWorkload:
     poll_s: float = 2.0
     log: object = print
     restarts: int = 0
+    metrics_run: tuple[str, str] | None = None  # (MLflow run id, tracking URI) for the engine's system metrics
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
 
     @property
@@ -228,7 +237,8 @@ class EngineWorkload:
 
     def manifests(self) -> dict[str, dict]:
         return engine_manifests(self.config, self.run_uri, self.run_id, namespace=self.namespace, token=self.token,
-                                owner=self.owner, kfp_run_id=self.kfp_run_id, port=self.port)
+                                owner=self.owner, kfp_run_id=self.kfp_run_id, port=self.port,
+                                metrics_run=self.metrics_run)
 
     def start(self) -> "EngineWorkload":
         """Create the run's engine and wait until it serves. A driver that starts again (a retried task,
@@ -381,7 +391,8 @@ def kubernetes_apis(configuration=None) -> tuple:
     return client.CoreV1Api(api), client.NetworkingV1Api(api)
 
 
-def cluster_engine(config, run_uri: str, run_id: str, *, log=print, configuration=None) -> EngineWorkload:
+def cluster_engine(config, run_uri: str, run_id: str, *, log=print, configuration=None,
+                   metrics_run: tuple[str, str] | None = None) -> EngineWorkload:
     """The run's engine workload as the cluster driver creates it: the namespace where the pipeline
     runs, owned by the driver's pod, labelled with the KFP run that drives it."""
     from kfrl.kube import workload_namespace
@@ -389,7 +400,7 @@ def cluster_engine(config, run_uri: str, run_id: str, *, log=print, configuratio
     core, networking = kubernetes_apis(configuration)
     return EngineWorkload(config=config, run_uri=run_uri, run_id=run_id, namespace=workload_namespace(config),
                           core=core, networking=networking, owner=owner_reference(),
-                          kfp_run_id=os.environ.get(KFP_RUN_VARIABLE, ""), log=log)
+                          kfp_run_id=os.environ.get(KFP_RUN_VARIABLE, ""), log=log, metrics_run=metrics_run)
 
 
 def delete_for_kfp_run(kfp_run_id: str, namespace: str = "", configuration=None) -> str:
