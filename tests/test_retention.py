@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from kfrl.cli import app
 from kfrl.config import load_config
 from kfrl.driver.controller import train
-from kfrl.retention import ACTOR_STATE, collect_garbage, policies_to_delete
-from kfrl.run import POLICY_STAGE, Run, stage_prefix
+from kfrl.retention import collect_garbage, policies_to_delete
+from kfrl.run import ACTOR_STATE, POLICY_STAGE, Run, stage_prefix
 from kfrl.store import Store
 
 runner = CliRunner()

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kfrl.run import INIT_ITERATION, POLICY_STAGE, Run, stage_prefix
+from kfrl.run import ACTOR_STATE, INIT_ITERATION, POLICY_STAGE, Run, stage_prefix
 from kfrl.store import MANIFEST_NAME
-
-ACTOR_STATE = "actor_state"
 
 
 def policies_to_delete(committed: list[int], latest: int, keep: int, save_freq: int,

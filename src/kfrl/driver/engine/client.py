@@ -148,33 +148,39 @@ def _here(err: EngineUnavailable) -> None:
     print(f"[kfrl] {err}; running the stage in this task instead", file=sys.stderr, flush=True)
 
 
-def dispatch(stage: str, run_uri: str, iteration: int) -> StageResult:
-    """Run ``stage`` on the run's engine if one answers, else here (unless this task is a required
-    client of a cluster engine: then it fails, and KFP retries it while the driver replaces the
-    engine)."""
-    url = _live_engine(run_uri, f"{stage} of iteration {iteration}")
+def _on_engine_else_here(run_uri: str, what: str, on_engine, here):
+    """``on_engine(url)`` when the run's engine answers, else ``here()`` (unless this task is a required
+    client of a cluster engine: then it fails, and KFP retries it while the driver replaces the engine)."""
+    url = _live_engine(run_uri, what)
     if url is not None:
         try:
-            return run_on_engine(url, stage, run_uri, iteration)
+            return on_engine(url)
         except EngineUnavailable as err:
             _here(err)
-    from kfrl.stages import run_stage
+    return here()
 
-    return run_stage(stage, run_uri, int(iteration))
+
+def dispatch(stage: str, run_uri: str, iteration: int) -> StageResult:
+    """Run ``stage`` on the run's engine if one answers, else here."""
+    def here():
+        from kfrl.stages import run_stage
+
+        return run_stage(stage, run_uri, int(iteration))
+
+    return _on_engine_else_here(run_uri, f"{stage} of iteration {iteration}",
+                                lambda url: run_on_engine(url, stage, run_uri, iteration), here)
 
 
 def dispatch_group(group: str, run_uri: str, iteration: int) -> list[StageResult]:
     """A fused group (``kfrl.stages.FUSED_GROUPS``) on the run's engine in one request if one answers,
-    else here, stage by stage (the same rule as ``dispatch``)."""
-    url = _live_engine(run_uri, f"the {group} stages of iteration {iteration}")
-    if url is not None:
-        try:
-            return run_group_on_engine(url, group, run_uri, iteration)
-        except EngineUnavailable as err:
-            _here(err)
-    from kfrl.stages import FUSED_GROUPS, run_stage
+    else here, stage by stage."""
+    def here():
+        from kfrl.stages import FUSED_GROUPS, run_stage
 
-    return [run_stage(stage, run_uri, int(iteration)) for stage in FUSED_GROUPS[group]]
+        return [run_stage(stage, run_uri, int(iteration)) for stage in FUSED_GROUPS[group]]
+
+    return _on_engine_else_here(run_uri, f"the {group} stages of iteration {iteration}",
+                                lambda url: run_group_on_engine(url, group, run_uri, iteration), here)
 
 
 class EngineProcess:
