@@ -245,7 +245,7 @@ def test_register_s3_checkpoint_once(tracker, tracking_uri, kfrl_run_id, client,
     assert tracker.register_checkpoint(model, f"s3://{s3_bucket}/ckpt/iter-4", 4) != version
 
 
-def test_register_local_checkpoint(tracker, tracking_uri, client, tmp_path):
+def test_register_local_checkpoint(tracker, tracking_uri, client, tmp_path, monkeypatch):
     checkpoint = tmp_path / "store" / "ckpt" / "iter-7"
     checkpoint.mkdir(parents=True)
     (checkpoint / "model.safetensors").write_bytes(b"w")
@@ -278,11 +278,10 @@ def test_register_local_checkpoint(tracker, tracking_uri, client, tmp_path):
 
         (view / "MLmodel").write_text("flavors: {}\n")  # a folder MLflow treats as a model
         (checkpoint / "MLmodel").write_text("flavors: {}\n")
-        mlflow.set_registry_uri(tracking_uri)
-        try:
-            loaded = ModelsArtifactRepository(f"models:/{model}/{version}").download_artifacts("")
-        finally:
-            mlflow.set_registry_uri(None)
+        # The registry a models:/ URI resolves against; through the environment, which monkeypatch
+        # restores (mlflow.set_registry_uri would leave MLFLOW_REGISTRY_URI set for every later test).
+        monkeypatch.setenv("MLFLOW_REGISTRY_URI", tracking_uri)
+        loaded = ModelsArtifactRepository(f"models:/{model}/{version}").download_artifacts("")
         assert Path(loaded) == view and (view / "registered_model_meta").is_file()
         assert sorted(p.name for p in checkpoint.iterdir()) == ["MLmodel", "model.safetensors"]
 

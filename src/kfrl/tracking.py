@@ -289,7 +289,9 @@ def linked_view(folder: Path, view: Path) -> Path:
     built beside and renamed into place, so a view either is complete or does not exist."""
     import shutil
 
-    if (view / "MLmodel").is_file():
+    from kfrl.models.mlmodel import MLMODEL_FILE
+
+    if (view / MLMODEL_FILE).is_file():
         return view
     partial = view.with_name(view.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)

@@ -489,7 +489,7 @@ def record_iteration(run: Run, tracker, config: Config, iteration: int, step_tim
         tags["mlflow_run_id"] = tracker.mlflow_run_id
         summary.registered_versions[iteration] = tracker.register_checkpoint(
             config.registered_model_name, folder, iteration, tags=tags,
-            view_dir=run.store.url(registry_view(iteration)) if not run.store.is_s3 else None)
+            view_dir=run.store.url(registry_view(iteration)))
         failpoint("registration")
     run.set_latest(iteration)
     failpoint("latest")
