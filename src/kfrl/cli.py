@@ -204,13 +204,17 @@ def export(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="re-save weights as bfloat16 | float16 | float32"),
     critic: bool = typer.Option(False, "--critic", help="export the critic (value model) instead"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty target folder"),
+    adapter: bool = typer.Option(False, "--adapter", help="LoRA runs: the PEFT adapter folder instead of the merged "
+                                 "model"),
 ):
-    """Write a run's policy (or critic) as a loadable Hugging Face model folder, tokenizer included."""
+    """Write a run's policy (or critic) as a loadable Hugging Face model folder, tokenizer included (a LoRA
+    run: the merged model, or with --adapter the PEFT adapter)."""
     from kfrl.export import export_policy, find_run
 
     try:
         run_uri = find_run(store, run, experiment)
-        result = export_policy(run_uri, to, iteration=iteration, dtype=dtype, critic=critic, overwrite=overwrite)
+        result = export_policy(run_uri, to, iteration=iteration, dtype=dtype, critic=critic, overwrite=overwrite,
+                               adapter=adapter)
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         _fail(str(err), code=1)
     typer.echo(f"exported iteration {result.iteration} of {run_uri} to {result.path}")

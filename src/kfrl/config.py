@@ -59,6 +59,14 @@ class ModelConfig(Section):
     path: str = "builtin:tiny-qwen2-arith"
     # "auto": bfloat16 on CUDA, float32 on CPU.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # LoRA (veRL's actor_rollout_ref.model.lora_rank, lora_alpha, target_modules, exclude_modules):
+    # lora_rank > 0 trains low-rank adapters (peft) on the frozen base instead of every weight. The
+    # reference policy is the base with the adapters disabled; rollout uses the merged weights; each
+    # iteration commits the adapter only (kfrl.models.lora).
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: float = Field(16, gt=0)
+    target_modules: Union[str, list[str]] = "all-linear"
+    exclude_modules: Optional[list[str]] = None
 
 
 class ValKwargsConfig(Section):
@@ -159,7 +167,23 @@ class AlgorithmConfig(Section):
         return self
 
 
-class ActorConfig(Section):
+class TrainingCopyConfig(Section):
+    """How a role's training copy is held in memory (actor and critic alike)."""
+    # veRL's fsdp_config.model_dtype. float32: fp32 master weights (autocast computes in bf16 on CUDA) and
+    # fp32 AdamW moments, 16 bytes per trained parameter. bfloat16: bf16 weights and moments, 8 bytes (what
+    # TRL does with a bf16 model): an update smaller than bf16's resolution of a weight (2^-8 of it) is lost.
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    # veRL's optim.optimizer. AdamW: torch's (fused on CUDA). AdamW8bit: the moments kept in 8 bits per
+    # value, blockwise scaled (kfrl.engines.optim8bit; 2 bytes per parameter instead of 8 in fp32).
+    optimizer: Literal["AdamW", "AdamW8bit"] = "AdamW"
+    # veRL's fsdp_config.param_offload / optimizer_offload: between updates the training copy's weights /
+    # optimizer moments wait in host memory, leaving the GPU to rollout and inference; every update moves
+    # them in and back out (kfrl.engines.offload; counted in timing_s/offload).
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+class ActorConfig(TrainingCopyConfig):
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
@@ -220,12 +244,17 @@ class ActorConfig(Section):
         return self
 
 
-class CriticConfig(Section):
+class CriticConfig(TrainingCopyConfig):
     # null: on exactly when algorithm.adv_estimator is "gae" (veRL's critic.enable: null).
     enable: Optional[bool] = None
     # An HF directory for the value model's body; "" = the actor's initial weights. The scalar
     # value head is new (seeded by trainer.seed) unless the directory already has one.
     model_path: str = ""
+    # LoRA on the value model's body (veRL's critic.model.lora_rank, ...); the value head is trained whole.
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: float = Field(16, gt=0)
+    target_modules: Union[str, list[str]] = "all-linear"
+    exclude_modules: Optional[list[str]] = None
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
@@ -455,6 +484,10 @@ class Config(Section):
                              "groups are filtered at rollout, before the reference KL exists; use seq_reward")
         if self.reward.name == "model" and not self.reward.model_path:
             raise ValueError("reward.name=model needs reward.model_path (a sequence-classification model directory)")
+        lora_roles = [name for name, rank in (("model", self.model.lora_rank), ("critic", self.critic.lora_rank)) if rank]
+        if lora_roles and self.trainer.n_gpus_per_node * self.trainer.nnodes > 1:
+            raise ValueError(f"{lora_roles[0]}.lora_rank with trainer.n_gpus_per_node x trainer.nnodes > 1: LoRA "
+                             "trains on one process only so far; use one GPU (or lora_rank=0 for the sharded update)")
         if self.reward.overlong_buffer.enable and self.reward.overlong_buffer.len > self.data.max_response_length:
             raise ValueError(f"reward.overlong_buffer.len ({self.reward.overlong_buffer.len}) exceeds "
                              f"data.max_response_length ({self.data.max_response_length})")

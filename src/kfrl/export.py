@@ -131,8 +131,13 @@ def _format_runs(runs: list[str], where: str) -> str:
 
 
 def export_policy(run_uri: str, to: str | Path, *, iteration: int | None = None, dtype: str | None = None,
-                  critic: bool = False, overwrite: bool = False) -> ExportResult:
+                  critic: bool = False, overwrite: bool = False, adapter: bool = False) -> ExportResult:
     """Write the run's policy (or, with ``critic``, its value model) as an HF directory at ``to``.
+
+    A LoRA run's checkpoints are adapters on its initial model: by default the merged model is written
+    (the one the iteration registered, byte for byte, when it has one); ``adapter``: the PEFT adapter
+    folder instead (``adapter_config.json``, ``adapter_model.safetensors``, the tokenizer), for
+    ``PeftModel.from_pretrained(base, folder)``.
 
     ``iteration``: None = the run's last completed iteration (LATEST); N = the model after N
     iterations (0 = the initial model). An update skipped at N (critic warm-up) leaves the weights
@@ -186,10 +191,19 @@ def export_policy(run_uri: str, to: str | Path, *, iteration: int | None = None,
     tmp = target.with_name(f".{target.name}.kfrl-export-{uuid.uuid4().hex[:8]}")
     try:
         tmp.mkdir(parents=True)
-        source, attempt, resave, fetched_from = _assemble(run, manifest, config, tmp, dtype=dtype, critic=critic,
-                                                          notes=notes)
+        if manifest.info.get("adapter"):
+            source, attempt, resave, fetched_from = _assemble_lora(run, manifest, config, tmp, dtype=dtype,
+                                                                   critic=critic, adapter=adapter, notes=notes)
+        elif adapter:
+            raise ExportError(f"the {model_kind} of run {run.uri} at iteration {iteration} is no LoRA adapter (the run "
+                              "trains every weight: model.lora_rank=0, or iteration 0 is the base); leave out --adapter")
+        else:
+            source, attempt, resave, fetched_from = _assemble(run, manifest, config, tmp, dtype=dtype,
+                                                              critic=critic, notes=notes)
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
         _check_output(tmp, files, model_kind, dtype, notes)
+        if adapter:
+            model_kind += " adapter"
         provenance = {
             "format": PROVENANCE_FORMAT,
             "run_uri": run.uri,
@@ -201,7 +215,8 @@ def export_policy(run_uri: str, to: str | Path, *, iteration: int | None = None,
             "source_attempt": attempt,
             "source_committed_at": fetched_from.created_at,
             "dtype": dtype,
-            "conversion": "resaved with transformers" if resave else "byte-for-byte copy",
+            "conversion": resave if isinstance(resave, str) else
+            ("resaved with transformers" if resave else "byte-for-byte copy"),
             "notes": notes,
             "kfrl_version": _kfrl_version(),
             "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -296,6 +311,58 @@ def _assemble(run: Run, manifest: Manifest, config, out: Path, *, dtype: str | N
             os.replace(path, out / path.name)
     shutil.rmtree(staging, ignore_errors=True)
     return source, manifest.attempt, resave, manifest
+
+
+def _assemble_lora(run: Run, manifest: Manifest, config, out: Path, *, dtype: str | None, critic: bool,
+                   adapter: bool, notes: list[str]) -> tuple[str, str, bool | str, Manifest]:
+    """``_assemble`` for an adapter commit (LoRA): the adapter folder, the merged model the iteration
+    registered (byte for byte), or the base (the run's initial commit) with the adapter merged here."""
+    from kfrl.stages.context import is_tokenizer_file
+    from kfrl.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_FOLDER
+
+    source = run.store.url(manifest.prefix)
+    if adapter:
+        if dtype is not None:
+            raise ExportError("--dtype applies to a merged export; an adapter is exported as trained (fp32): "
+                              "leave out --dtype, or --adapter")
+        kept = [f for f in manifest.files if f["name"] in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) or is_tokenizer_file(f["name"])]
+        run.store.download(dataclasses.replace(manifest, files=kept), out)
+        (out / DOWNLOAD_MARKER).unlink(missing_ok=True)
+        notes.append(f"a LoRA adapter; its base is the run's initial model ({config.model.path})")
+        return source, manifest.attempt, False, manifest
+    merged = [f for f in manifest.files if f["name"].startswith(MERGED_FOLDER + "/")]
+    staging = out / ".kfrl-source"
+    if merged and dtype is None:  # what the iteration registered with MLflow
+        run.store.download(dataclasses.replace(manifest, files=merged), staging)
+        for path in (staging / MERGED_FOLDER).iterdir():
+            os.replace(path, out / path.name)
+        shutil.rmtree(staging, ignore_errors=True)
+        return f"{source}/{MERGED_FOLDER}", manifest.attempt, False, manifest
+    base_manifest = run.manifest(CRITIC_STAGE if critic else POLICY_STAGE, INIT_ITERATION)
+    _assemble(run, base_manifest, config, staging / "base", dtype=None, critic=critic, notes=notes)
+    kept = [f for f in manifest.files if f["name"] in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)]
+    run.store.download(dataclasses.replace(manifest, files=kept), staging / "adapter")
+    _merge_adapter(staging / "base", staging / "adapter", out, dtype=dtype, critic=critic)
+    shutil.rmtree(staging, ignore_errors=True)
+    return source, manifest.attempt, "the initial model with the LoRA adapter merged, saved with transformers", manifest
+
+
+def _merge_adapter(base: Path, adapter: Path, out: Path, *, dtype: str | None, critic: bool) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from kfrl.models.lora import merge_into, read_adapter
+    from kfrl.stages.context import quiet_transformers
+
+    quiet_transformers()
+    loader = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    model = loader.from_pretrained(base, dtype=getattr(torch, dtype) if dtype else "auto")
+    tensors, scaling = read_adapter(adapter)
+    merge_into(model, tensors, scaling)
+    model.save_pretrained(out, safe_serialization=True)
+    for path in sorted(p for p in base.iterdir() if p.is_file()):
+        if not (out / path.name).exists() and not _WEIGHT_FILE.search(path.name):
+            shutil.copyfile(path, out / path.name)
 
 
 def _copy_in_place(source: str, dest: Path) -> None:

@@ -19,6 +19,14 @@ VERL_KEYS: dict[str, str] = {
     f"{AR}.actor.optim.lr": "actor.lr",
     f"{AR}.actor.optim.weight_decay": "actor.weight_decay",
     f"{AR}.actor.optim.betas": "actor.betas",
+    f"{AR}.actor.optim.optimizer": "actor.optimizer",
+    f"{AR}.model.lora_rank": "model.lora_rank",
+    f"{AR}.model.lora_alpha": "model.lora_alpha",
+    f"{AR}.model.target_modules": "model.target_modules",
+    f"{AR}.model.exclude_modules": "model.exclude_modules",
+    f"{AR}.actor.fsdp_config.model_dtype": "actor.master_dtype",
+    f"{AR}.actor.fsdp_config.param_offload": "actor.param_offload",
+    f"{AR}.actor.fsdp_config.optimizer_offload": "actor.optimizer_offload",
     f"{AR}.actor.grad_clip": "actor.grad_clip",
     f"{AR}.actor.ppo_mini_batch_size": "actor.ppo_mini_batch_size",
     f"{AR}.actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size_per_gpu",
@@ -69,6 +77,14 @@ VERL_KEYS: dict[str, str] = {
     "critic.optim.weight_decay": "critic.weight_decay",
     "critic.optim.betas": "critic.betas",
     "critic.model.path": "critic.model_path",
+    "critic.model.lora_rank": "critic.lora_rank",
+    "critic.model.lora_alpha": "critic.lora_alpha",
+    "critic.model.target_modules": "critic.target_modules",
+    "critic.model.exclude_modules": "critic.exclude_modules",
+    "critic.model.fsdp_config.model_dtype": "critic.master_dtype",
+    "critic.model.fsdp_config.param_offload": "critic.param_offload",
+    "critic.model.fsdp_config.optimizer_offload": "critic.optimizer_offload",
+    "critic.optim.optimizer": "critic.optimizer",
     "critic.ppo_micro_batch_size": "critic.ppo_micro_batch_size_per_gpu",
     "critic.forward_micro_batch_size": "critic.forward_micro_batch_size_per_gpu",
     "trainer.total_training_steps": "trainer.total_iterations",
@@ -87,9 +103,16 @@ VERL_KEYS: dict[str, str] = {
 
 # How a veRL value becomes kfrl's, where the two differ.
 VALUE_MAPS: dict[str, Callable[[Any], Any]] = {
+    f"{AR}.actor.fsdp_config.model_dtype": lambda v: _DTYPES.get(str(v), v),
+    "critic.model.fsdp_config.model_dtype": lambda v: _DTYPES.get(str(v), v),
+    # torchao's "_AdamW" is AdamW; bitsandbytes' "AdamW8bit" keeps its name.
+    f"{AR}.actor.optim.optimizer": lambda v: "AdamW" if v == "_AdamW" else v,
+    "critic.optim.optimizer": lambda v: "AdamW" if v == "_AdamW" else v,
     "reward_model.enable": lambda v: "model" if _truthy(v) else "rule",
     "trainer.total_training_steps": lambda v: None if v in (None, "null", -1) else v,
 }
+
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 # veRL keys (or key prefixes, ending in ".") accepted but without effect in kfrl, and why.
 _PARALLEL = ("kfrl's multi-GPU update is data parallel only (actor.strategy over trainer.n_gpus_per_node x "
@@ -112,9 +135,9 @@ IGNORED: dict[str, str] = {
     f"{AR}.model.use_shm": _UNUSED_MODEL,
     f"{AR}.model.trust_remote_code": _UNUSED_MODEL,
     f"{AR}.model.external_lib": _UNUSED_MODEL,
-    f"{AR}.model.lora_rank": "LoRA is not implemented; kfrl trains all weights",
-    f"{AR}.model.lora_alpha": "LoRA is not implemented; kfrl trains all weights",
-    f"{AR}.model.target_modules": "LoRA is not implemented; kfrl trains all weights",
+    f"{AR}.model.lora_adapter_path": "kfrl's adapters start fresh (B = 0); a run continues its own adapters on resume",
+    f"{AR}.model.lora.": "Megatron's LoRA settings; kfrl's LoRA is peft's, set with model.lora_rank/lora_alpha/target_modules",
+    f"{AR}.actor.optim.optimizer_impl": "kfrl picks the implementation from actor.optimizer (AdamW: torch; AdamW8bit: kfrl's own)",
     f"{AR}.model.override_config.": _UNUSED_MODEL,
     f"{AR}.hybrid_engine": "kfrl's stages load weights per stage group; there is no hybrid engine",
     f"{AR}.nccl_timeout": "kfrl's update workers wait up to 60 minutes on a collective",
@@ -172,6 +195,8 @@ IGNORED: dict[str, str] = {
     "critic.optim.min_lr_ratio": _FIXED_LR,
     "critic.optim.total_training_steps": _FIXED_LR,
     "critic.optim.clip_grad": "use critic.grad_clip",
+    "critic.optim.optimizer_impl": "kfrl picks the implementation from critic.optimizer (AdamW: torch; AdamW8bit: kfrl's own)",
+    "critic.model.lora_adapter_path": "kfrl's adapters start fresh (B = 0); a run continues its own adapters on resume",
     "critic.strategy": "the critic's update is sharded as the actor's: it follows actor.strategy",
     "critic.ulysses_sequence_parallel_size": _PARALLEL,
     "critic.use_dynamic_bsz": _BY_COUNT,

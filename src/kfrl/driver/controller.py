@@ -481,7 +481,12 @@ def record_iteration(run: Run, tracker, config: Config, iteration: int, step_tim
         settle_in_flight()  # the folder must be complete (an update may still be writing it)
         # The version is the committed folder: an HF directory that is also an MLflow model.
         folder = run.store.url(f"{actor_update.prefix}/{actor_update.attempt}")
-        if MLMODEL_FILE not in actor_update.names():
+        mlmodel = MLMODEL_FILE
+        if actor_update.info.get("adapter"):  # a LoRA commit: the version is the merged model beside the adapter
+            from kfrl.models.lora import MERGED_FOLDER
+
+            folder, mlmodel = f"{folder}/{MERGED_FOLDER}", f"{MERGED_FOLDER}/{MLMODEL_FILE}"
+        if mlmodel not in actor_update.names():
             raise TrackingError(f"the policy checkpoint {folder} is no MLflow model (no {MLMODEL_FILE}: the update ran "
                                 "where MLflow is not installed); it cannot be registered. Install mlflow in the "
                                 "update's image, or set trainer.save_freq=0 to register nothing")

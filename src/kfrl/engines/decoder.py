@@ -198,12 +198,13 @@ class Decoder:
                                 device=device, dtype=dtype)
 
     @classmethod
-    def from_hf_model(cls, model, dtype: torch.dtype | None = None) -> "Decoder":
+    def from_hf_model(cls, model, dtype: torch.dtype | None = None, state: dict | None = None) -> "Decoder":
         """Shares nothing with ``model`` but its values: weights are copied into the fused layout (cast to
-        ``dtype``, the model's own when None)."""
-        params = dict(model.named_parameters())
-        params.update(dict(model.named_buffers()))
-        first = next(model.parameters())
+        ``dtype``, the model's own when None). ``state``: the weights to take instead of the model's own
+        (under its names, e.g. a LoRA copy's merged weights); ``model`` then gives config and device."""
+        params = dict(state) if state is not None else dict(model.named_parameters())
+        params.update({k: v for k, v in model.named_buffers() if k not in params})
+        first = next(iter(params.values())) if state is not None else next(model.parameters())
         if "lm_head.weight" not in params and getattr(model.config, "tie_word_embeddings", False):
             params["lm_head.weight"] = model.get_output_embeddings().weight
         with torch.no_grad():
@@ -217,10 +218,11 @@ class Decoder:
             found += [getattr(block, f.name) for f in dataclasses.fields(block) if getattr(block, f.name) is not None]
         return found
 
-    def load_weights_from(self, model) -> None:
-        """Copy ``model``'s current weights into this decoder's own tensors, in place: the addresses that
-        captured CUDA graphs replay stay valid, and no second copy is kept."""
-        fresh = Decoder.from_hf_model(model, dtype=self.dtype)
+    def load_weights_from(self, model, state: dict | None = None) -> None:
+        """Copy ``model``'s current weights (or ``state``, see ``from_hf_model``) into this decoder's own
+        tensors, in place: the addresses that captured CUDA graphs replay stay valid, and no second copy
+        is kept."""
+        fresh = Decoder.from_hf_model(model, dtype=self.dtype, state=state)
         ours, theirs = self.tensors(), fresh.tensors()
         if [t.shape for t in ours] != [t.shape for t in theirs]:
             raise ValueError("the model's weights do not have this decoder's shapes")

@@ -173,24 +173,54 @@ class StageContext:
         quiet_transformers()
         # Tokenizer files are the same in every checkpoint of a run: key by their content.
         files = getattr(manifest, "early_files", None) or manifest.files  # early: a commit still being written
-        key = tuple(sorted((f["name"], entry_digest(f)) for f in files if _is_tokenizer_file(f["name"]))) \
+        key = tuple(sorted((f["name"], entry_digest(f)) for f in files if is_tokenizer_file(f["name"]))) \
             or (self.store.url(manifest.prefix), manifest.attempt)
         return _cached_in(_TOKENIZER_CACHE, key, lambda: load_tokenizer(self.checkpoint_dir(manifest, weights=False)),
                           TOKENIZER_CACHE_SIZE)
 
-    def load_model(self, manifest: Manifest, *, for_training: bool = False):
-        """Inference: compute dtype (bf16 on CUDA). Training: fp32 master weights (autocast does bf16)."""
+    def load_model(self, manifest: Manifest, *, for_training: bool = False, dtype=None):
+        """Inference: compute dtype (bf16 on CUDA). Training: ``dtype`` (fp32 master weights by default;
+        autocast does bf16). An adapter commit (LoRA) is loaded as its base with the adapter merged."""
         import torch
 
         from kfrl.models.hf_io import load_causal_lm
 
         quiet_transformers()
         if for_training:
-            return load_causal_lm(self.checkpoint_dir(manifest), dtype=torch.float32, device=self.device)
+            return load_causal_lm(self.checkpoint_dir(manifest), dtype=dtype or torch.float32, device=self.device)
         return _cached(self._model_key("policy", manifest.prefix, manifest.attempt),
-                       lambda: load_causal_lm(self.checkpoint_dir(manifest), dtype=self.compute_dtype,
-                                              device=self.device).eval(),
+                       lambda: self._load_merged(manifest, load_causal_lm).eval(),
                        slot=self._slot("policy", manifest.prefix))
+
+    def _load_merged(self, manifest: Manifest, load, **kwargs):
+        """``load(folder, dtype=compute dtype, device=...)`` of a full checkpoint, or of an adapter commit's
+        base (the run's initial commit of the same stage) with the adapter merged into it."""
+        from kfrl.models.lora import merge_into, read_adapter
+
+        if not manifest.info.get("adapter"):
+            return load(self.checkpoint_dir(manifest), dtype=self.compute_dtype, device=self.device, **kwargs)
+        stage = split_stage_prefix(manifest.prefix)[1]
+        model = load(self.checkpoint_dir(self.checkpoint_manifest(stage, INIT_ITERATION)), dtype=self.compute_dtype,
+                     device=self.device, **kwargs)
+        adapter, scaling = read_adapter(self.checkpoint_dir(manifest), device=self.device)
+        merge_into(model, adapter, scaling)
+        return model
+
+    def merged_dir(self, manifest: Manifest) -> Path:
+        """A local HF directory of a checkpoint: its own folder, or for an adapter commit the merged model
+        written once into this machine's cache (for loaders that read a directory: vLLM)."""
+        if not manifest.info.get("adapter"):
+            return self.checkpoint_dir(manifest)
+        from kfrl.models.hf_io import load_causal_lm, save_hf
+
+        key = hashlib.sha1(f"{self.store.url(manifest.prefix)}#{manifest.attempt}".encode()).hexdigest()[:16]
+        local = cache_dir() / "merged" / key
+        if not (local / "config.json").is_file():
+            tmp = local.with_name(f"{key}.tmp{os.getpid()}")
+            save_hf(self._load_merged(manifest, load_causal_lm), self.load_tokenizer(manifest), tmp)
+            shutil.rmtree(local, ignore_errors=True)
+            os.replace(tmp, local)
+        return local
 
     def rollout_engine(self, manifest: Manifest, *, micro_batch_size: int | None = None):
         """The configured rollout backend (``kfrl.engines.rollout``) holding ``manifest``'s weights;
@@ -214,22 +244,28 @@ class StageContext:
             from kfrl.engines.rollout_vllm import vllm_engine
 
             data = self.config.data
-            return vllm_engine(self.checkpoint_dir(manifest), eos, dtype="bfloat16" if self.device == "cuda" else "float32",
+            return vllm_engine(self.merged_dir(manifest), eos, dtype="bfloat16" if self.device == "cuda" else "float32",
                                gpu_memory_utilization=cfg.gpu_memory_utilization, seed=self.config.trainer.seed,
                                max_model_len=data.max_prompt_length + data.max_response_length,
                                enforce_eager=cfg.enforce_eager)
         from kfrl.engines.decoder import Decoder
         from kfrl.engines.rollout_torch import TorchRollout
 
-        decoder = _cached(self._model_key("decoder", manifest.prefix, manifest.attempt),
-                          lambda: Decoder.from_pretrained(self.checkpoint_dir(manifest), device=self.device,
-                                                          dtype=self.compute_dtype),
+        def load_decoder():
+            if manifest.info.get("adapter"):  # built from the merged weights, never from files
+                from kfrl.models.hf_io import load_causal_lm
+
+                return Decoder.from_hf_model(self._load_merged(manifest, load_causal_lm), dtype=self.compute_dtype)
+            return Decoder.from_pretrained(self.checkpoint_dir(manifest), device=self.device, dtype=self.compute_dtype)
+
+        decoder = _cached(self._model_key("decoder", manifest.prefix, manifest.attempt), load_decoder,
                           slot=self._slot("decoder", manifest.prefix))
         return TorchRollout(decoder, eos, pad_token_id(tokenizer, eos), micro_batch_size=micro,
                             use_cuda_graphs=not cfg.enforce_eager)
 
-    def load_critic(self, manifest: Manifest, *, for_training: bool = False):
-        """The value model (see ``load_causal_lm`` for dtypes); a new value head is seeded by trainer.seed."""
+    def load_critic(self, manifest: Manifest, *, for_training: bool = False, dtype=None):
+        """The value model (see ``load_model`` for dtypes and adapters); a new value head is seeded by
+        trainer.seed."""
         import torch
 
         from kfrl.models.hf_io import load_value_model
@@ -237,11 +273,10 @@ class StageContext:
         quiet_transformers()
         seed = self.config.trainer.seed
         if for_training:
-            return load_value_model(self.checkpoint_dir(manifest), dtype=torch.float32, device=self.device,
+            return load_value_model(self.checkpoint_dir(manifest), dtype=dtype or torch.float32, device=self.device,
                                     head_seed=seed)
         return _cached(self._model_key("critic", manifest.prefix, manifest.attempt),
-                       lambda: load_value_model(self.checkpoint_dir(manifest), dtype=self.compute_dtype,
-                                                device=self.device, head_seed=seed).eval(),
+                       lambda: self._load_merged(manifest, load_value_model, head_seed=seed).eval(),
                        slot=self._slot("critic", manifest.prefix))
 
     def rewards(self, tokenizer):
@@ -280,7 +315,8 @@ class StageContext:
                     copy = _MODEL_CACHE.pop(current)
                     _load_into(kind, copy, model)
                 elif _MODEL_SLOTS.get(init_slot) in _MODEL_CACHE:
-                    if kind == "policy" and self.config.use_ref:  # the initial policy is the reference
+                    if kind == "policy" and self.config.use_ref and not self.config.model.lora_rank:
+                        # the initial policy is the reference (with LoRA: the training copy, adapters off)
                         copy = _inference_copy(kind, model, self.compute_dtype)
                     else:  # the initial weights are not read again: their copy takes the new ones
                         copy = _MODEL_CACHE.pop(_MODEL_SLOTS.pop(init_slot))
@@ -301,11 +337,15 @@ class StageContext:
 
 
 def _load_into(kind: str, copy, model) -> None:
-    """Overwrite an inference copy's weights with a training model's, in place (cast to its dtype)."""
+    """Overwrite an inference copy's weights with a training model's, in place (cast to its dtype); a
+    LoRA training copy gives its merged weights."""
+    from kfrl.models.lora import base_model_of, is_lora_model, merged_state
+
+    state = merged_state(model) if is_lora_model(model) else None
     if kind == "decoder":
-        copy.load_weights_from(model)
+        copy.load_weights_from(base_model_of(model), state=state)
     else:
-        copy.load_state_dict(model.state_dict())
+        copy.load_state_dict(state if state is not None else model.state_dict())
 
 
 def _inference_copy(kind: str, model, dtype):
@@ -313,14 +353,18 @@ def _inference_copy(kind: str, model, dtype):
     would build it (buffers such as rotary frequencies computed, not cast), then given its weights."""
     import torch
 
+    from kfrl.models.lora import base_model_of, is_lora_model, merged_state
+
+    state = merged_state(model) if is_lora_model(model) else None
     if kind == "decoder":
         from kfrl.engines.decoder import Decoder
 
-        return Decoder.from_hf_model(model, dtype=dtype)
+        return Decoder.from_hf_model(base_model_of(model), dtype=dtype, state=state)
+    base = base_model_of(model)
     device = next(model.parameters()).device
     with torch.device(device):
-        copy = type(model)._from_config(model.config, dtype=dtype)
-    copy.load_state_dict(model.state_dict())
+        copy = type(base)._from_config(base.config, dtype=dtype)
+    copy.load_state_dict(state if state is not None else model.state_dict())
     return copy.eval().requires_grad_(False)
 
 
@@ -328,7 +372,7 @@ def _is_weights_file(name: str) -> bool:
     return name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt"))
 
 
-def _is_tokenizer_file(name: str) -> bool:
+def is_tokenizer_file(name: str) -> bool:
     return name.startswith("tokenizer") or name in (
         "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 

@@ -2,6 +2,8 @@
 ``ref_logprob`` (the initial model's log-probs) and ``values`` (the critic's)."""
 from __future__ import annotations
 
+import contextlib
+
 from kfrl.run import INIT_ITERATION
 from kfrl.stages.context import StageContext
 
@@ -24,14 +26,32 @@ def _logprobs(ctx: StageContext, table, weights_iteration: int, with_entropy: bo
     manifest = ctx.policy_manifest(weights_iteration)
     tokenizer = ctx.load_tokenizer(manifest)
     trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0)
-    logprobs, entropy, sum_pi_squared = compute_token_stats(
-        ctx.load_model(manifest), trajectories, temperature=ctx.config.rollout.temperature,
-        micro_batch_size=ctx.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=with_entropy,
-        with_sum_pi_squared=with_sum_pi_squared, autocast_dtype=ctx.compute_dtype,
-        token_budget=ctx.config.rollout.log_prob_max_token_len_per_gpu if ctx.config.rollout.log_prob_use_dynamic_bsz
-        else 0)
+    with _model_for(ctx, manifest, weights_iteration) as model:
+        logprobs, entropy, sum_pi_squared = compute_token_stats(
+            model, trajectories, temperature=ctx.config.rollout.temperature,
+            micro_batch_size=ctx.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=with_entropy,
+            with_sum_pi_squared=with_sum_pi_squared, autocast_dtype=ctx.compute_dtype,
+            token_budget=ctx.config.rollout.log_prob_max_token_len_per_gpu
+            if ctx.config.rollout.log_prob_use_dynamic_bsz else 0)
     return (trajectories.unpad(logprobs), (trajectories.unpad(entropy) if with_entropy else None),
             (trajectories.unpad(sum_pi_squared) if with_sum_pi_squared else None))
+
+
+@contextlib.contextmanager
+def _model_for(ctx: StageContext, manifest, weights_iteration: int):
+    """The model holding ``manifest``'s weights. The initial weights of a LoRA run are its base: where this
+    process holds the LoRA training copy on the device, that copy with its adapters disabled is used
+    (no second model in memory); else the base is loaded."""
+    import torch
+
+    from kfrl.stages.update import resident_training_copy
+
+    held = resident_training_copy("actor") if weights_iteration == INIT_ITERATION and ctx.config.model.lora_rank else None
+    if held is not None and next(held.parameters()).device.type == torch.device(ctx.device).type:  # not offloaded
+        with held.disable_adapter(), torch.no_grad():
+            yield held
+        return
+    yield ctx.load_model(manifest)
 
 
 def old_logprob(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:

@@ -81,13 +81,47 @@ def drain() -> None:
     settle_in_flight()
 
 
+def resident_training_copy(role_name: str):
+    """The training copy this process holds for ``role_name`` (None when it holds none)."""
+    held = _RESIDENT_TRAINERS.get(role_name)
+    return None if held is None else held[1]
+
+
 def make_optimizer(model, optim_cfg):
+    """The role's optimizer over the parameters it trains (a LoRA copy: the adapters only):
+    ``optim_cfg.optimizer`` AdamW (torch's, fused on CUDA) or AdamW8bit (``kfrl.engines.optim8bit``)."""
     import torch
 
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay)
+    if getattr(optim_cfg, "optimizer", "AdamW") == "AdamW8bit":
+        from kfrl.engines.optim8bit import AdamW8bit
+
+        return AdamW8bit(params, **kwargs)
     # The fused CUDA kernel updates all parameters in a few launches instead of several per tensor.
-    fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                             weight_decay=optim_cfg.weight_decay, fused=fused or None)
+    fused = params[0].device.type == "cuda"
+    return torch.optim.AdamW(params, fused=fused or None, **kwargs)
+
+
+def master_dtype(optim_cfg):
+    """The dtype of a role's trained weights: ``master_dtype`` of its config section."""
+    import torch
+
+    return torch.bfloat16 if getattr(optim_cfg, "master_dtype", "float32") == "bfloat16" else torch.float32
+
+
+def role_lora(ctx: StageContext, role: Role):
+    """The role's ``LoraSpec`` (None: it trains every weight)."""
+    from kfrl.models.lora import lora_spec
+
+    return lora_spec(ctx.config.model if role.name == "actor" else ctx.config.critic)
+
+
+def training_state(model) -> dict:
+    """What a trainer state keeps of a training copy's weights: the adapter of a LoRA copy, else all."""
+    from kfrl.models.lora import adapter_state, is_lora_model
+
+    return adapter_state(model) if is_lora_model(model) else model.state_dict()
 
 
 def _commit_key(ctx: StageContext, prefix: str, attempt: str) -> str:
@@ -137,10 +171,34 @@ def load_trainer_state(ctx: StageContext, role: Role, optim_cfg, weights):
 
 
 def _load_training_model(ctx: StageContext, role: Role, manifest):
-    model = (ctx.load_model if role.name == "actor" else ctx.load_critic)(manifest, for_training=True)
+    """The training copy holding ``manifest``'s weights: all of them in the role's master dtype, or with
+    LoRA the frozen base (the run's initial commit, in the compute dtype) with the manifest's adapter."""
+    section = ctx.config.actor if role.name == "actor" else ctx.config.critic
+    load = ctx.load_model if role.name == "actor" else ctx.load_critic
+    spec = role_lora(ctx, role)
+    if spec is None:
+        model = load(manifest, for_training=True, dtype=master_dtype(section))
+    else:
+        from kfrl.models.lora import add_adapters, load_adapter_state, read_adapter
+
+        base = load(ctx.checkpoint_manifest(role.stage, INIT_ITERATION), for_training=True, dtype=ctx.compute_dtype)
+        model = add_adapters(base.requires_grad_(False), spec, seed=ctx.config.trainer.seed,
+                             value_head=role.name == "critic")
+        if master_dtype(section) != model_dtype(model):
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(master_dtype(section))
+        if manifest.info.get("adapter"):
+            adapter, _scaling = read_adapter(ctx.checkpoint_dir(manifest, training_state=True), device=ctx.device)
+            load_adapter_state(model, adapter)
     if role.name == "actor" and ctx.config.actor.use_torch_compile and next(model.parameters()).is_cuda:
         compile_layers(model)
     return model
+
+
+def model_dtype(model):
+    """The dtype of the parameters a training copy trains."""
+    return next(p for p in model.parameters() if p.requires_grad).dtype
 
 
 def compile_layers(model) -> int:
@@ -216,8 +274,16 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
     if world_size(ctx.config) > 1:  # sharded over worker processes: they commit; run_stage's commit finds theirs
         return distributed_update(ctx, role)
     model, optimizer, steps = trainer(ctx, role, optim_cfg, attempt)
-    metrics, steps = TRAIN_STEP[role.name](ctx, table, model, optimizer, steps)
+    from kfrl.engines.offload import move_training_copy, offloads
+
     suffix = _TIMING_SUFFIX[role.name]
+    param_offload, optimizer_offload = offloads(optim_cfg) if ctx.device == "cuda" else (False, False)
+    if param_offload or optimizer_offload:  # back from host memory, where the previous update left it
+        onload = move_training_copy(model, optimizer, ctx.device, params=param_offload,
+                                    optimizer_state=optimizer_offload)
+    metrics, steps = TRAIN_STEP[role.name](ctx, table, model, optimizer, steps)
+    if param_offload or optimizer_offload:
+        metrics[f"timing_s/onload{suffix}"] = onload
     started = time.perf_counter()
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(INIT_ITERATION))
     if _BACKGROUND["enabled"]:  # a host snapshot now; the files and the commit on a thread
@@ -228,12 +294,17 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
         metrics[f"timing_s/save_checkpoint_files{suffix}"] = save_weights(ctx, attempt, model, tokenizer,
                                                                           mlflow_model=role.name == "actor")
     attempt.info["optimizer_steps"] = steps
+    if role_lora(ctx, role) is not None:
+        attempt.info["adapter"] = True  # the commit holds the adapter; its base is iteration 0's commit
     if role.name == "actor":
         attempt.info["policy_version"] = ctx.iteration
     metrics[f"timing_s/save_checkpoint{suffix}"] = time.perf_counter() - started
     started = time.perf_counter()
     ctx.hand_off(role.inference_kinds, attempt.prefix, attempt.attempt, model)
     metrics[f"timing_s/hand_off{suffix}"] = time.perf_counter() - started
+    if param_offload or optimizer_offload:  # the GPU is left to the stages until the next update
+        metrics[f"timing_s/offload{suffix}"] = move_training_copy(model, optimizer, "cpu", params=param_offload,
+                                                                  optimizer_state=optimizer_offload)
     _RESIDENT_TRAINERS[role.name] = (_commit_key(ctx, attempt.prefix, attempt.attempt), model, optimizer, steps)
     started = time.perf_counter()
     if not _BACKGROUND["enabled"]:
@@ -289,8 +360,12 @@ def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = 
     into that ``HostBuffers`` pool's tensors, which ``write`` gives back once the files are written."""
     from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
     from kfrl.models.host_memory import host_buffers
+    from kfrl.models.lora import is_lora_model
 
     dtype = ctx.compute_dtype
+    if is_lora_model(model):
+        return _adapter_writer(ctx, model, tokenizer, registered=mlflow_model and state_required(
+            ctx.config.trainer, ctx.iteration))
     pool = host_buffers(buffers_name) if buffers_name else None
     buffers = pool.take() if pool is not None else None
     configs, weights = config_files(model, dtype), host_weights(model, dtype, state, copy=copy_now, buffers=buffers)
@@ -305,6 +380,33 @@ def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = 
             from kfrl.models.mlmodel import write_mlmodel
 
             write_mlmodel(folder, tokenizer, dtype)
+
+    return configs, write
+
+
+def _adapter_writer(ctx: StageContext, model, tokenizer, *, registered: bool):
+    """``weights_writer`` of a LoRA training copy: the adapter in PEFT's format (copied to host memory now)
+    with the base's config and the tokenizer; when the iteration registers a model version, also the
+    merged model as an MLflow model in ``merged/`` (what MLflow serves and ``kfrl export`` copies)."""
+    from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
+    from kfrl.models.host_memory import on_host
+    from kfrl.models.lora import (ADAPTER_CONFIG, MERGED_FOLDER, adapter_config_bytes, adapter_state, base_model_of,
+                                  merged_state, write_adapter)
+
+    dtype = ctx.compute_dtype
+    base_configs = config_files(base_model_of(model), dtype)
+    configs = {**base_configs, ADAPTER_CONFIG: adapter_config_bytes(model, base_path=ctx.config.model.path)}
+    adapter = on_host(adapter_state(model))
+    merged = host_weights(model, dtype, merged_state(model), copy=True) if registered else None
+
+    def write(folder) -> None:
+        write_hf_dir(folder, {k: v for k, v in configs.items() if k != ADAPTER_CONFIG}, None, tokenizer)
+        write_adapter(folder, configs[ADAPTER_CONFIG], adapter)
+        if merged is not None:
+            from kfrl.models.mlmodel import write_mlmodel
+
+            write_hf_dir(Path(folder) / MERGED_FOLDER, base_configs, merged, tokenizer)
+            write_mlmodel(Path(folder) / MERGED_FOLDER, tokenizer, dtype)
 
     return configs, write
 
@@ -363,7 +465,7 @@ def reserve_state_buffers(role: Role, model, optimizer) -> bool:
     from kfrl.models.host_memory import host_buffers, snapshot_layout
 
     pool = host_buffers(f"trainer_state/{role.name}")
-    return not pool.sets and pool.reserve(snapshot_layout((model.state_dict(), optimizer.state_dict())))
+    return not pool.sets and pool.reserve(snapshot_layout((training_state(model), optimizer.state_dict())))
 
 
 def snapshot(model, optimizer, buffers: list | None = None) -> tuple[dict, dict]:
@@ -372,7 +474,7 @@ def snapshot(model, optimizer, buffers: list | None = None) -> tuple[dict, dict]
     are written. Tied tensors stay one tensor."""
     from kfrl.models.host_memory import on_host
 
-    return on_host((model.state_dict(), optimizer.state_dict()), buffers=buffers)
+    return on_host((training_state(model), optimizer.state_dict()), buffers=buffers)
 
 
 def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, optimizer, steps: int,
@@ -382,16 +484,21 @@ def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, opt
     import torch
 
     from kfrl.models.hf_io import PacedWriter, save_hf
+    from kfrl.models.lora import adapter_config_bytes, is_lora_model, write_adapter
     from kfrl.store import wait_for_in_flight
 
-    model_state, optimizer_state = states or (model.state_dict(), optimizer.state_dict())
+    model_state, optimizer_state = states or (training_state(model), optimizer.state_dict())
+    lora = is_lora_model(model)
     # A trainer state is worth nothing without the weights commit it continues (written on its own
     # thread): a kill during this write then always finds that commit durable, and a resume rebuilds
     # the state from it rather than redoing the update as well.
     wait_for_in_flight()
     state = ctx.store.open_attempt(stage_prefix(ctx.iteration, role.state))
     with state.staged_dir() as folder:
-        save_hf(model, None, folder, state=model_state, paced=paced)
+        if lora:  # the adapter only: the base is the run's initial commit
+            write_adapter(folder, adapter_config_bytes(model, base_path=ctx.config.model.path), model_state)
+        else:
+            save_hf(model, None, folder, state=model_state, paced=paced)
         if paced:
             with PacedWriter(folder / OPTIMIZER_FILE) as out:
                 torch.save(optimizer_state, out)
@@ -399,7 +506,8 @@ def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, opt
             torch.save(optimizer_state, folder / OPTIMIZER_FILE)
         (folder / TRAINER_STATE_FILE).write_text(json.dumps({"iteration": ctx.iteration, "optimizer_steps": steps}))
         failpoint("trainer_state")
-    state.commit(info={"iteration": ctx.iteration, "weights_attempt": weights_attempt, "optimizer_steps": steps})
+    state.commit(info={"iteration": ctx.iteration, "weights_attempt": weights_attempt, "optimizer_steps": steps,
+                       **({"adapter": True} if lora else {})})
     apply_retention(ctx, role)
 
 
@@ -474,7 +582,7 @@ class _StateWrite:
     def start(self) -> "_StateWrite":
         import torch
 
-        if next(self.args[3].parameters()).device.type == "cuda":
+        if self.args[0].device == "cuda":  # the optimizer state may be there while offloaded weights are not
             self.ready = torch.cuda.Event()
             self.ready.record()
         self.thread.start()

@@ -1,0 +1,155 @@
+"""Memory options of a training copy (actor.* / critic.*): bf16 master weights (master_dtype), 8-bit AdamW
+moments (optimizer=AdamW8bit), parameter and optimizer offload to host memory between updates; with
+veRL's keys."""
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kfrl.config import load_config
+from kfrl.driver.controller import train
+from kfrl.engines.optim8bit import FP8_TINY, AdamW8bit, dequantize, quantize, quantize_nonzero
+from kfrl.run import Run
+from kfrl.stages import context, update
+
+SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=16",
+         "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_generations=0", "trainer.val_before_train=false",
+         "pipeline.runner=inline", "trainer.test_freq=-1", "data.builtin_val_size=8"]
+
+
+def least_squares(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 64, generator=generator)
+    return x, x @ torch.randn(64, 32, generator=generator), torch.randn(64, 32, generator=generator)
+
+
+def fit(optimizer_class, steps: int, w0: torch.Tensor, state=None, **kwargs):
+    x, y, _ = least_squares()
+    weight = torch.nn.Parameter(w0.clone())
+    optimizer = optimizer_class([weight], lr=1e-2, weight_decay=0.01, **kwargs)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        ((x @ weight - y) ** 2).mean().backward()
+        optimizer.step()
+    return weight.detach(), optimizer
+
+
+def test_8bit_adamw_follows_adamw_with_a_quarter_of_the_state():
+    w0 = least_squares()[2]
+    exact, _ = fit(torch.optim.AdamW, 200, w0)
+    eight, optimizer = fit(AdamW8bit, 200, w0, min_8bit_size=1)
+    # Moments rounded to 3 mantissa bits (6 %) move the path by a few per cent of the distance travelled.
+    assert (eight - exact).norm() / (exact - w0).norm() < 0.1
+    x, y, _ = least_squares()
+    start = ((x @ w0 - y) ** 2).mean()
+    assert ((x @ eight - y) ** 2).mean() < 0.2 * start
+    per_value = optimizer.state_bytes() / w0.numel()
+    assert 2.0 < per_value < 2.1  # two 1-byte moments, a 4-byte scale per 256 values, one step counter
+    # A tensor under min_8bit_size keeps fp32 moments (biases, norms): exactly torch's AdamW then.
+    small, _ = fit(AdamW8bit, 20, w0)
+    assert torch.allclose(small, fit(torch.optim.AdamW, 20, w0)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_8bit_state_round_trips_exactly_and_never_loses_a_positive_second_moment():
+    w0 = least_squares()[2]
+    straight, _ = fit(AdamW8bit, 20, w0, min_8bit_size=1)
+    half, optimizer = fit(AdamW8bit, 10, w0, min_8bit_size=1)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["state"][0]["exp_avg_codes"].dtype == torch.float8_e4m3fn
+    resumed, again = fit(AdamW8bit, 10, half, state=saved, min_8bit_size=1)
+    assert torch.equal(resumed, straight)
+    assert again.state[again.param_groups[0]["params"][0]]["exp_avg_codes"].dtype == torch.float8_e4m3fn
+
+    values = torch.cat([torch.tensor([1.0]), torch.logspace(-12, -1, 255)])  # one block, 12 decades
+    codes, scale = quantize_nonzero(values, 256)
+    restored = dequantize(codes, scale, 256)
+    assert (restored > 0).all() and restored.min() >= FP8_TINY * scale.min()
+    plain_codes, plain_scale = quantize(values, 256)
+    assert (dequantize(plain_codes, plain_scale, 256) == 0).any()  # what the guard is for
+    big = values > 1e-3
+    assert ((restored[big] - values[big]).abs() / values[big]).max() < 2 ** -4
+
+
+def config(root: Path, *extra):
+    return load_config(Path("configs/demo.yaml"), SMALL + [f"store.uri={root / 'store'}",
+                                                           f"tracking.uri=sqlite:///{root}/m.db", *extra])
+
+
+def forget_process_state() -> None:
+    update.drain()
+    update._RESIDENT_TRAINERS.clear()
+    context._MODEL_CACHE.clear()
+    context._MODEL_SLOTS.clear()
+
+
+def test_bf16_master_weights_with_8bit_adamw_train_and_resume_exactly_from_the_store(tmp_path):
+    options = ["actor.master_dtype=bfloat16", "actor.optimizer=AdamW8bit", "actor.lr=1e-3"]
+    forget_process_state()
+    straight = Run.at(train(config(tmp_path / "a", *options), run_id="a", iterations=3).run_uri)
+    model, optimizer = update._RESIDENT_TRAINERS["actor"][1:3]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert isinstance(optimizer, AdamW8bit)
+    big = [s for s in optimizer.state.values() if "exp_avg_codes" in s]
+    assert big and all(s["exp_avg_codes"].dtype == torch.float8_e4m3fn for s in big)
+    forget_process_state()
+    resumed = Run.at(train(config(tmp_path / "b", *options, "trainer.trainer_state_freq=1"), run_id="b",
+                           iterations=2).run_uri)
+    forget_process_state()  # a new process: iteration 3 starts from the committed bf16 weights and 8-bit state
+    train(config(tmp_path / "b", *options, "trainer.trainer_state_freq=1"), run_id="b", iterations=3)
+    assert resumed.manifest("update_actor", 3).info["trainer_from"] == "store"
+    state = load_file(resumed.store.committed_dir(resumed.manifest("actor_state", 3)) / "model.safetensors")
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    a, b = (load_file(r.store.committed_dir(r.manifest("update_actor", 3)) / "model.safetensors")
+            for r in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(straight.manifest("update_actor", i).metrics["actor/grad_norm"] > 0 for i in (1, 2, 3))
+
+
+def test_verl_memory_and_lora_keys_map_onto_kfrl():
+    notices = []
+    cfg = load_config(None, [
+        "actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=64",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+        "actor_rollout_ref.actor.optim.optimizer=AdamW8bit",
+        "actor_rollout_ref.actor.optim.optimizer_impl=bitsandbytes.optim",
+        "critic.model.lora_rank=8", "critic.model.fsdp_config.model_dtype=fp32", "critic.optim.optimizer=_AdamW",
+    ], notices=notices)
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules) == (32, 64, ["q_proj", "v_proj"])
+    assert (cfg.actor.param_offload, cfg.actor.optimizer_offload) == (True, True)
+    assert (cfg.actor.master_dtype, cfg.actor.optimizer) == ("bfloat16", "AdamW8bit")
+    assert (cfg.critic.lora_rank, cfg.critic.master_dtype, cfg.critic.optimizer) == (8, "float32", "AdamW")
+    assert any("optimizer_impl" in n for n in notices)
+    with pytest.raises(ValueError, match="LoRA trains on one process"):
+        load_config(None, ["model.lora_rank=8", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ValueError, match="actor.optimizer"):
+        load_config(None, ["actor.optimizer=Lion"])
+
+
+@pytest.mark.gpu
+def test_offloaded_training_copies_wait_in_host_memory_and_train_as_without(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    gpu = ["trainer.device=cuda", "rollout.name=hf"]
+    forget_process_state()
+    plain = Run.at(train(config(tmp_path / "a", *gpu), run_id="a", iterations=3).run_uri)
+    forget_process_state()
+    offloaded = Run.at(train(config(tmp_path / "b", *gpu, "actor.param_offload=true", "actor.optimizer_offload=true"),
+                             run_id="b", iterations=3).run_uri)
+    model, optimizer = update._RESIDENT_TRAINERS["actor"][1:3]
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(t.device.type == "cpu" for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    metrics = offloaded.manifest("update_actor", 3).metrics
+    assert metrics["timing_s/offload"] > 0 and metrics["timing_s/onload"] > 0
+    a, b = (load_file(r.store.committed_dir(r.manifest("update_actor", 3)) / "model.safetensors")
+            for r in (plain, offloaded))
+    assert all(torch.equal(a[k], b[k]) for k in a)
