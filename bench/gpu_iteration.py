@@ -33,6 +33,9 @@ SHAPES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
                  tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1_000_000.0,
+               tie_word_embeddings=False, rms_norm_eps=1e-6),
     "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096, rope_theta=1_000_000.0,
                   tie_word_embeddings=True, rms_norm_eps=1e-6),
@@ -60,7 +63,11 @@ def build_model_dir(out: Path, shape: str = "0.5b") -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
     config = Qwen2Config(**SHAPES[shape], pad_token_id=0, eos_token_id=2, bos_token_id=0)
-    model = Qwen2ForCausalLM(config)
+    if shape == "7b" and torch.cuda.is_available():  # 7B parameters initialise in seconds on the GPU, minutes on 16 cores
+        with torch.device("cuda"):
+            model = Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    else:
+        model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=2, pad_token_id=0, bos_token_id=0)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -129,9 +136,11 @@ def model_parameters(model_dir: Path) -> int:
     return total
 
 
-def update_mfu(run, iteration: int, stage: dict, params: int) -> float | None:
+def update_mfu(run, iteration: int, stage: dict, params: int, flops_per_token_param: int = 6) -> float | None:
     """Model FLOPs utilisation of the actor update's compute: 6 x parameters x tokens trained (prompt and
-    response, padding excluded) over the update's seconds without its checkpoint and hand-off."""
+    response, padding excluded) over the update's seconds without its checkpoint and hand-off. LoRA
+    (``flops_per_token_param`` 4): the frozen weights need no weight gradient, so forward (2) and the
+    gradient of the activations (2) are the work; the adapters' own FLOPs are under 1 % at rank 64."""
     import pyarrow.parquet as pq
 
     from kfrl.run import Run
@@ -149,7 +158,12 @@ def update_mfu(run, iteration: int, stage: dict, params: int) -> float | None:
             tokens += sum(len(x) for x in table.column("response_ids").to_pylist())
     compute_s = stage["timing_s/update_actor"] - sum(stage.get(k, 0.0) for k in (
         "timing_s/save_checkpoint", "timing_s/hand_off", "timing_s/save_trainer_state"))
-    return round(6 * params * tokens / compute_s / H200_BF16_DENSE_FLOPS, 3) if compute_s > 0 else None
+    return round(flops_per_token_param * params * tokens / compute_s / peak_flops(), 3) if compute_s > 0 else None
+
+
+def peak_flops() -> float:
+    """The dense bf16 peak of the GPU in use (H100 SXM: 989 TF/s as the H200; the same tensor cores)."""
+    return H200_BF16_DENSE_FLOPS
 
 
 def wall_summary(walls: list[float]) -> dict:
@@ -186,6 +200,8 @@ def main() -> None:
     parser.add_argument("--keep-weights", type=int, default=0,
                         help="delete the policy weights of iterations older than the newest K as the run goes "
                              "(0: keep all); for shapes whose 20 iterations of weights fill the disk")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="a model folder built before (build_model_dir) instead of a new one")
     parser.add_argument("--smoke", action="store_true", help="the smoke shape and a small batch, on the CPU when no GPU "
                         "is present: checks the script runs")
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. algorithm.adv_estimator=gae")
@@ -215,7 +231,7 @@ def main() -> None:
         inference.AVOID_CUDNN_ATTENTION = False
     work = Path(tempfile.mkdtemp(prefix="kfrl-bench-"))
     t0 = time.perf_counter()
-    model_dir = build_model_dir(work / "model", args.shape)
+    model_dir = args.model_dir or build_model_dir(work / "model", args.shape)
     build_s = time.perf_counter() - t0
     params = model_parameters(model_dir)
     if args.config is not None:
@@ -303,10 +319,12 @@ def main() -> None:
         record = {
             "iteration": iteration, "stages_s": round(time.perf_counter() - starts[-1], 2), "stages": stages,
             "rollout_tokens_per_s": round(gen["perf/response_tokens"] / gen["wall_s"], 1),
-            "update_mfu": update_mfu(run, iteration, stages["update_actor"], params),
+            "update_mfu": update_mfu(run, iteration, stages["update_actor"], params,
+                                     4 if cfg.model.lora_rank else 6),
             "allocated_gib_after": round(torch.cuda.memory_allocated() / 2**30, 3),
             "reserved_gib_after": round(torch.cuda.memory_reserved() / 2**30, 3),
             "peak_gib": max(stage["peak_mem_gib"] for stage in stages.values()),
+            "max_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
         }
         results["iterations"].append(record)
         if args.keep_weights and iteration - args.keep_weights >= 1:
@@ -330,7 +348,17 @@ def main() -> None:
     results["run_s"] = round(ended - starts[0], 2)
     text = json.dumps(results, indent=2)
     print(text)
+    import statistics
+
+    warm = results["iterations"][1:] or results["iterations"]
+    stage_median = {stage: round(statistics.median(r["stages"][stage]["wall_s"] for r in warm), 3)
+                    for stage in ("rollout", "update_actor")}
     print("SUMMARY " + json.dumps({"shape": args.shape, "params": params, "iterations": args.iterations,
+                                   "lora_rank": cfg.model.lora_rank, "master_dtype": cfg.actor.master_dtype,
+                                   "optimizer": cfg.actor.optimizer,
+                                   "offload": [cfg.actor.param_offload, cfg.actor.optimizer_offload],
+                                   "stage_median_s": stage_median,
+                                   "max_reserved_gib": max(r["max_reserved_gib"] for r in results["iterations"]),
                                    "trainer_state_freq": cfg.trainer.trainer_state_freq,
                                    "wall": results["iteration_wall"], "drain_s": results["drain_s"],
                                    "rollout_tok_s": round(sum(r["rollout_tokens_per_s"] for r in results["iterations"][1:])

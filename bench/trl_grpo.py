@@ -54,6 +54,9 @@ def main() -> None:
     parser.add_argument("--response-length", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=133)
     parser.add_argument("--fp32-master", action="store_true", help="load fp32 weights (autocast bf16), as kfrl keeps them")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter (peft, all-linear) of this rank")
+    parser.add_argument("--lora-alpha", type=float, default=16)
+    parser.add_argument("--model-dir", type=Path, default=None, help="a model folder built before (build_model_dir)")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape and batch on the CPU: checks the script runs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -73,7 +76,7 @@ def main() -> None:
     assert torch.cuda.is_available() or args.smoke, "this benchmark needs a CUDA device"
     cuda = torch.cuda.is_available()
     work = Path(tempfile.mkdtemp(prefix="trl-bench-"))
-    model_dir = build_model_dir(work / "model", args.shape)
+    model_dir = args.model_dir or build_model_dir(work / "model", args.shape)
     texts, truths = exact_length_prompts(model_dir, args.prompt_tokens, args.prompts * (args.steps + 2))
     dataset = Dataset.from_dict({"prompt": texts, "ground_truth": truths})
 
@@ -109,8 +112,14 @@ def main() -> None:
             self.ended = time.perf_counter()
 
     clock = StepClock()
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                                 lora_dropout=0.0, task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=arith_reward, args=config, train_dataset=dataset,
-                          callbacks=[clock])
+                          callbacks=[clock], peft_config=peft_config)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -123,7 +132,8 @@ def main() -> None:
              for i, w in enumerate(walls)]
     result = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__, "trl": trl.__version__,
               "shape": args.shape, "params": model_parameters(model_dir),
-              "master_dtype": "float32" if args.fp32_master else "bfloat16",
+              "master_dtype": "float32" if args.fp32_master else "bfloat16", "lora_rank": args.lora_rank,
+              "gradient_checkpointing": config.gradient_checkpointing,
               "workload": {"prompts": args.prompts, "n": args.n, "prompt_tokens": args.prompt_tokens,
                            "response_length": args.response_length, "micro_batch": args.micro,
                            "accumulation": accumulation},
@@ -134,7 +144,7 @@ def main() -> None:
               "logs": clock.logs}
     text = json.dumps(result, indent=2)
     print(text)
-    print("SUMMARY " + json.dumps({"peer": "trl", "shape": args.shape, "steps": args.steps, "wall": result["step_wall"],
+    print("SUMMARY " + json.dumps({"peer": "trl", "shape": args.shape, "lora_rank": args.lora_rank, "steps": args.steps, "wall": result["step_wall"],
                                    "completion_mean_length": result["completion_mean_length"],
                                    "peak_gib": result["peak_gib"]}), flush=True)
     if args.out:

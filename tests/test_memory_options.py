@@ -135,16 +135,36 @@ def test_verl_memory_and_lora_keys_map_onto_kfrl():
         load_config(None, ["actor.optimizer=Lion"])
 
 
+def run_stages(root: Path, iterations: int, *extra) -> Run:
+    """The run's stages called in turn in this process (as the resident engine calls them), without the
+    controller (no MLflow: the GPU machine has none)."""
+    from kfrl.stages import STAGES, run_stage
+    from kfrl.stages.prepare import prepare_run
+    from kfrl.store import Store
+
+    cfg = config(root, *extra, f"trainer.total_iterations={iterations}")
+    store = Store(str(root / "store" / "run"))
+    prepare_run(store, cfg)
+    update.write_states_in_background(True)
+    try:
+        for iteration in range(1, iterations + 1):
+            for stage in STAGES:
+                run_stage(stage, store.uri, iteration)
+    finally:
+        update.drain()
+        update.write_states_in_background(False)
+    return Run.at(store.uri)
+
+
 @pytest.mark.gpu
 def test_offloaded_training_copies_wait_in_host_memory_and_train_as_without(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    gpu = ["trainer.device=cuda", "rollout.name=hf"]
+    gpu = ["trainer.device=cuda", "rollout.name=hf", "actor.use_kl_loss=true"]
     forget_process_state()
-    plain = Run.at(train(config(tmp_path / "a", *gpu), run_id="a", iterations=3).run_uri)
+    plain = run_stages(tmp_path / "a", 3, *gpu)
     forget_process_state()
-    offloaded = Run.at(train(config(tmp_path / "b", *gpu, "actor.param_offload=true", "actor.optimizer_offload=true"),
-                             run_id="b", iterations=3).run_uri)
+    offloaded = run_stages(tmp_path / "b", 3, *gpu, "actor.param_offload=true", "actor.optimizer_offload=true")
     model, optimizer = update._RESIDENT_TRAINERS["actor"][1:3]
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(t.device.type == "cpu" for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
@@ -153,3 +173,18 @@ def test_offloaded_training_copies_wait_in_host_memory_and_train_as_without(tmp_
     a, b = (load_file(r.store.committed_dir(r.manifest("update_actor", 3)) / "model.safetensors")
             for r in (plain, offloaded))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.gpu
+def test_a_lora_run_on_the_gpu_hands_merged_weights_to_the_torch_decoder(tmp_path):
+    """The torch decoder (CUDA graphs) takes the merged weights in place; the reference is the training
+    copy with adapters off; a fresh process that loads base + adapter commits the same rollout."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    lora = ["trainer.device=cuda", "rollout.name=torch", "actor.use_kl_loss=true", "model.lora_rank=8",
+            "actor.lr=5e-3"]
+    forget_process_state()
+    run = run_stages(tmp_path / "a", 3, *lora)
+    assert run.manifest("update_actor", 3).info["adapter"] is True
+    assert run.manifest("rollout", 3).info.get("rollout_backend") == "torch"
+    assert run.manifest("update_actor", 3).metrics["actor/kl_loss"] > 0
