@@ -18,3 +18,21 @@ def committed_tables(run: Run, iterations) -> dict[tuple[int, str, str], object]
                     tables[(iteration, stage, name)] = pq.read_table(
                         Path(run.store.url(f"{manifest.prefix}/{manifest.attempt}/{name}")))
     return tables
+
+
+def forget_process_state() -> None:
+    """What a new process starts with: no training copy, no loaded models, no writes in flight."""
+    from kfrl.stages import context, update
+
+    update.drain()
+    update._RESIDENT_TRAINERS.clear()
+    context._MODEL_CACHE.clear()
+    context._MODEL_SLOTS.clear()
+
+
+def demo_config(root: Path, *overrides):
+    """configs/demo.yaml with a store and an SQLite tracking database under ``root``."""
+    from kfrl.config import load_config
+
+    return load_config(Path("configs/demo.yaml"), [*overrides, f"store.uri={root / 'store'}",
+                                                    f"tracking.uri=sqlite:///{root}/m.db"])

@@ -16,8 +16,8 @@ from kfrl.models.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_FOLDER, Lo
                               merge_into, merged_state)
 from kfrl.models.tiny import materialize_builtin
 from kfrl.run import Run
-from kfrl.stages import STAGES, context, update
-from run_tables import committed_tables
+from kfrl.stages import STAGES, context
+from run_tables import committed_tables, demo_config, forget_process_state
 
 SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=16",
          "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_generations=0", "trainer.val_before_train=false",
@@ -27,15 +27,7 @@ TARGET = "model.layers.0.self_attn.q_proj.weight"
 
 
 def config(root: Path, *extra):
-    return load_config(Path("configs/demo.yaml"), SMALL + LORA + [f"store.uri={root / 'store'}",
-                                                                  f"tracking.uri=sqlite:///{root}/m.db", *extra])
-
-
-def forget_process_state() -> None:
-    update.drain()
-    update._RESIDENT_TRAINERS.clear()
-    context._MODEL_CACHE.clear()
-    context._MODEL_SLOTS.clear()
+    return demo_config(root, *SMALL + LORA, *extra)
 
 
 def tiny(dtype=torch.float64):

@@ -12,7 +12,8 @@ from kfrl.config import load_config
 from kfrl.driver.controller import train
 from kfrl.engines.optim8bit import FP8_TINY, AdamW8bit, dequantize, quantize, quantize_nonzero
 from kfrl.run import Run
-from kfrl.stages import context, update
+from kfrl.stages import update
+from run_tables import demo_config, forget_process_state
 
 SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=16",
          "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_generations=0", "trainer.val_before_train=false",
@@ -78,15 +79,7 @@ def test_8bit_state_round_trips_exactly_and_never_loses_a_positive_second_moment
 
 
 def config(root: Path, *extra):
-    return load_config(Path("configs/demo.yaml"), SMALL + [f"store.uri={root / 'store'}",
-                                                           f"tracking.uri=sqlite:///{root}/m.db", *extra])
-
-
-def forget_process_state() -> None:
-    update.drain()
-    update._RESIDENT_TRAINERS.clear()
-    context._MODEL_CACHE.clear()
-    context._MODEL_SLOTS.clear()
+    return demo_config(root, *SMALL, *extra)
 
 
 def test_bf16_master_weights_with_8bit_adamw_train_and_resume_exactly_from_the_store(tmp_path):
