@@ -305,22 +305,28 @@ class StageContext:
         of a run builds it (the initial weights stay: they are the reference). Returns the kinds given."""
         import torch
 
+        from kfrl.models.lora import is_lora_model, merged_state
+
         given = []
+        merged = None  # a LoRA copy's merged weights, computed once for all the kinds that take them
         for kind in kinds:
             slot = self._slot(kind, prefix)
             init_slot = slot[:2] + (True,)
             current = _MODEL_SLOTS.get(slot)
             with torch.no_grad():
+                if merged is None and is_lora_model(model) and (
+                        current in _MODEL_CACHE or _MODEL_SLOTS.get(init_slot) in _MODEL_CACHE):
+                    merged = merged_state(model)
                 if current is not None and current in _MODEL_CACHE:
                     copy = _MODEL_CACHE.pop(current)
-                    _load_into(kind, copy, model)
+                    _load_into(kind, copy, model, merged)
                 elif _MODEL_SLOTS.get(init_slot) in _MODEL_CACHE:
                     if kind == "policy" and self.config.use_ref and not self.config.model.lora_rank:
                         # the initial policy is the reference (with LoRA: the training copy, adapters off)
-                        copy = _inference_copy(kind, model, self.compute_dtype)
+                        copy = _inference_copy(kind, model, self.compute_dtype, merged)
                     else:  # the initial weights are not read again: their copy takes the new ones
                         copy = _MODEL_CACHE.pop(_MODEL_SLOTS.pop(init_slot))
-                        _load_into(kind, copy, model)
+                        _load_into(kind, copy, model, merged)
                 else:
                     continue  # this process has not used weights of this kind: nothing to keep current
             _cached(self._model_key(kind, prefix, attempt), lambda: copy, slot=slot)
@@ -336,26 +342,28 @@ class StageContext:
         return (kind, slot, iteration == INIT_ITERATION)
 
 
-def _load_into(kind: str, copy, model) -> None:
+def _load_into(kind: str, copy, model, state: dict | None = None) -> None:
     """Overwrite an inference copy's weights with a training model's, in place (cast to its dtype); a
-    LoRA training copy gives its merged weights."""
+    LoRA training copy gives its merged weights (``state``, computed when not given)."""
     from kfrl.models.lora import base_model_of, is_lora_model, merged_state
 
-    state = merged_state(model) if is_lora_model(model) else None
+    if state is None and is_lora_model(model):
+        state = merged_state(model)
     if kind == "decoder":
         copy.load_weights_from(base_model_of(model), state=state)
     else:
         copy.load_state_dict(state if state is not None else model.state_dict())
 
 
-def _inference_copy(kind: str, model, dtype):
+def _inference_copy(kind: str, model, dtype, state: dict | None = None):
     """A new inference copy of a training model in ``dtype``, built as loading it from a checkpoint
     would build it (buffers such as rotary frequencies computed, not cast), then given its weights."""
     import torch
 
     from kfrl.models.lora import base_model_of, is_lora_model, merged_state
 
-    state = merged_state(model) if is_lora_model(model) else None
+    if state is None and is_lora_model(model):
+        state = merged_state(model)
     if kind == "decoder":
         from kfrl.engines.decoder import Decoder
 
