@@ -16,7 +16,8 @@ from kfrl.models import hf_io, host_memory
 from kfrl.run import Run
 from kfrl.stages import STAGES, run_stage, update
 from kfrl.stages.prepare import prepare_run
-from kfrl.store import InFlightManifest, Store, StoreError
+from kfrl import store as store_module
+from kfrl.store import InFlightManifest, Store, StoreError, settle_in_flight
 
 SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=16",
          "actor.ppo_micro_batch_size_per_gpu=8", "pipeline.runner=inline", "trainer.total_iterations=3"]
@@ -36,13 +37,16 @@ def run(tmp_path):
     update.write_states_in_background(False)
 
 
-def slow_weights(monkeypatch, seconds: float, started: threading.Event | None = None, fail: bool = False):
+def slow_weights(monkeypatch, seconds: float, started: threading.Event | None = None, fail: bool = False,
+                 gate: threading.Event | None = None):
     original = hf_io.write_safetensors
 
     def slowly(tensors, folder, **kwargs):
         if started is not None:
             started.set()
         time.sleep(seconds)
+        if gate is not None:
+            assert gate.wait(60)
         if fail:
             raise OSError(28, "No space left on device")
         return original(tensors, folder, **kwargs)
@@ -55,7 +59,9 @@ def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_
     for stage in STAGES:
         run_stage(stage, run.uri, 1)
     run.set_latest(1)
-    slow_weights(monkeypatch, 1.0)
+    settle_in_flight()  # iteration 1's weights are written before the writer is slowed
+    gate = threading.Event()  # the weights stay unwritten until the test lets them
+    slow_weights(monkeypatch, 0.0, gate=gate)
     for stage in STAGES[:STAGES.index("update_actor") + 1]:
         run_stage(stage, run.uri, 2)
     seen = run.store.manifest("iter-000002/update_actor")
@@ -73,8 +79,17 @@ def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_
     assert run.latest() == 1  # LATEST waits for the commit
     for stage in STAGES[STAGES.index("update_actor") + 1:]:
         run_stage(stage, run.uri, 2)
-    run_stage("rollout", run.uri, 3)  # generated from the handed-off weights; its commit waited for them
+    # The next rollout runs on the handed-off weights and does not wait for their files: its tables are
+    # in place and readable in this process now; only its manifest is published after the update's.
+    run_stage("rollout", run.uri, 3)
+    rollout_seen = run.store.manifest("iter-000003/rollout")
+    assert isinstance(rollout_seen, InFlightManifest) and rollout_seen.names()
+    assert all(run.store.read_file(rollout_seen, name) for name in rollout_seen.names())
     rollout_file = Path(run.store.manifest_url("iter-000003/rollout"))
+    assert not manifest_file.exists() and not rollout_file.exists()
+    assert run.latest() == 1
+    gate.set()
+    settle_in_flight()
     assert manifest_file.stat().st_mtime_ns <= rollout_file.stat().st_mtime_ns
     assert run.latest() == 2
     assert {"model.safetensors", "config.json", "MLmodel"} <= set(seen.names())  # files: after the wait
@@ -93,6 +108,7 @@ def test_a_failed_background_write_commits_nothing_and_stops_the_next_commit(run
     for stage in STAGES[:STAGES.index("update_actor") + 1]:
         run_stage(stage, run.uri, 2)
     assert started.wait(10)
+    assert store_module._IN_FLIGHT[run.store.manifest_url("iter-000002/update_actor")].done.wait(10)
     with pytest.raises(StoreError, match="iter-000002/update_actor.*No space left"):
         for stage in STAGES[STAGES.index("update_actor") + 1:] + ("rollout",):
             run_stage(stage, run.uri, 2 if stage != "rollout" else 3)

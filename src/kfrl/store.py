@@ -157,9 +157,12 @@ class InFlightManifest(Manifest):
     they are written and committed (and raises if that failed)."""
 
     def __init__(self, pending: "_InFlight", early_dir: Path | None = None, early_files: list[dict] | None = None,
-                 **fields):
+                 ready_files: list[dict] | None = None, **fields):
         super().__init__(files=[], **fields)
         self._pending = pending
+        # The whole file list when the files were in place before the commit was asked for (a data
+        # stage's tables waiting only for the order of commits): readers need not wait for the manifest.
+        self._ready_files = ready_files
         # Files the writer made readable before the commit (a checkpoint's config and tokenizer), in a
         # local folder, with their entries: what a reader may use without waiting for the rest.
         self.early_dir = early_dir
@@ -167,6 +170,8 @@ class InFlightManifest(Manifest):
 
     @property
     def files(self) -> list[dict]:
+        if self._ready_files is not None:
+            return self._ready_files
         return self._pending.wait().files
 
     @files.setter
@@ -208,6 +213,13 @@ def settle_in_flight() -> None:
     """Wait for every background commit of this process; raise the first failure."""
     for pending in list(_IN_FLIGHT.values()):
         pending.wait()
+
+
+def raise_failed_in_flight() -> None:
+    """Raise the failure of a background commit of this process that has ended in one (waiting for none)."""
+    for pending in list(_IN_FLIGHT.values()):
+        if pending.done.is_set() and pending.error is not None:
+            pending.wait()
 
 
 def wait_for_in_flight() -> None:
@@ -775,11 +787,17 @@ class Attempt:
             # there): its place among the process's commits does not depend on the writer thread.
             failpoint("commit")
             return self._commit_in_background(metrics, info)
-        if self._files:
-            settle_in_flight()  # commits become durable in the order they were made
+        if self._files and _IN_FLIGHT:
+            raise_failed_in_flight()  # an earlier commit that failed already stops this one here
+            # Commits become durable in the order they were made, but this attempt's files are in place
+            # already: only its manifest has to wait for the earlier commits (an update's weights still
+            # being written), so it is published by a thread and this process reads the files at once.
+            # Background commits exist only in a process that settles before it ends.
+            failpoint("commit")
+            return self._commit_in_background(metrics, info, files_ready=True)
         return self._publish(metrics, info)
 
-    def _commit_in_background(self, metrics: dict | None, info: dict | None) -> Manifest:
+    def _commit_in_background(self, metrics: dict | None, info: dict | None, files_ready: bool = False) -> Manifest:
         write, self._background = self._background, None
         url = self.store.manifest_url(self.prefix)
         pending = _InFlight(url)
@@ -787,7 +805,8 @@ class Attempt:
         early_files = [{"name": p.relative_to(early).as_posix(), "size": size, WRITE_DIGEST: digest}
                        for p in sorted(early.rglob("*")) if p.is_file()
                        for size, digest in [_hash_local_file(p, WRITE_DIGEST)]] if early is not None else []
-        pending.visible = InFlightManifest(pending, early_dir=early, early_files=early_files,
+        ready = sorted(self._files.values(), key=lambda f: f["name"]) if files_ready else None
+        pending.visible = InFlightManifest(pending, early_dir=early, early_files=early_files, ready_files=ready,
                                            prefix=self.prefix, attempt=self.attempt,
                                            metrics=_check_metrics(metrics, url),
                                            info=_check_info({**self.info, **(info or {})}, url), created_at=_now_iso())
@@ -799,8 +818,9 @@ class Attempt:
             try:
                 for before in earlier:
                     before.wait()
-                with self.staged_dir() as folder:
-                    write(folder)
+                if write is not None:
+                    with self.staged_dir() as folder:
+                        write(folder)
                 pending.manifest = self._publish(metrics, info, kill_point=False)
                 while True:  # actions queued by after_in_flight, until none is left as this commit leaves
                     with _IN_FLIGHT_LOCK:
