@@ -2,7 +2,8 @@
 # The same-call measurements of issue 25 (LoRA, memory options, TRL + PEFT) on one GPU machine:
 #   bash bench/issue25_device.sh <part> <out-dir>
 # part 05: 0.5B shape (kfrl full / LoRA / bf16+AdamW8bit / offload, TRL full / LoRA) and the GPU tests;
-# part 15: 1.5B shape (kfrl full / LoRA, TRL full / LoRA); part 7b: 7B shape, LoRA only (kfrl, TRL).
+# part lean / lean15: 0.5B / 1.5B, kfrl's leanest full fine-tune against TRL's bf16 run;
+# part 15: 1.5B shape (kfrl full / bf16+AdamW8bit+checkpointing / offload, TRL full) and the GPU tests; part 7b: 7B shape, LoRA only (kfrl, TRL).
 # Every run is the TRL workload (64 prompts x 4 samples, 133 + 256 tokens, one optimizer step).
 set -u
 part=$1; out=$2
@@ -11,11 +12,12 @@ export PYTHONPATH=$PWD/src:$PWD/bench
 python -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v -i warning | tail -2
 cd bench
 model=/tmp/kfrl-bench-model-$part
-shape=$([ "$part" = 05 ] && echo 0.5b || ([ "$part" = 15 ] && echo 1.5b || echo 7b))
+case $part in 05|lean) shape=0.5b ;; 15|lean15) shape=1.5b ;; *) shape=7b ;; esac
 python -c "import sys; from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model'), '$shape')"
 lora="model.lora_rank=64 model.lora_alpha=128 actor.lr=1e-5"
 kfrl() { name=$1; shift; timeout "${KFRL_LIMIT:-240}" python gpu_iteration.py --workload trl --prompt-tokens 133 --shape "$shape" \
-    --model-dir "$model" --out "$out/kfrl_${part}_$name.json" "$@" 2>&1 | grep SUMMARY | sed "s/^/kfrl $name /"; }
+    --model-dir "$model" --out "$out/kfrl_${part}_$name.json" "$@" > "$out/kfrl_${part}_$name.log" 2>&1; \
+    grep -E "SUMMARY|Error" "$out/kfrl_${part}_$name.log" | tail -3 | sed "s/^/kfrl $name /"; }
 trl() { name=$1; shift; timeout "${TRL_LIMIT:-240}" python trl_grpo.py --shape "$shape" --model-dir "$model" \
     --out "$out/trl_${part}_$name.json" "$@" 2>&1 | grep -E "SUMMARY|Error|error" | tail -3 | sed "s/^/trl $name /"; }
 case $part in
@@ -29,11 +31,15 @@ case $part in
     cd .. && timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_options.py 2>&1 | tail -3 ;;
   15)
     kfrl full --iterations 6
-    kfrl lora --iterations 6 $lora
+    kfrl lean --iterations 6 actor.master_dtype=bfloat16 actor.optimizer=AdamW8bit actor.gradient_checkpointing=true
+    kfrl offload --iterations 4 actor.param_offload=true actor.optimizer_offload=true
     trl full --steps 5
-    trl lora --steps 5 --lora-rank 64 --lora-alpha 128 ;;
+    cd .. && timeout 120 python -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_options.py 2>&1 | tail -3 ;;
+  lean|lean15)  # the leanest full fine-tune (bf16 weights, 8-bit AdamW, gradient checkpointing) against TRL's bf16 run
+    kfrl lean --iterations 5 actor.master_dtype=bfloat16 actor.optimizer=AdamW8bit actor.gradient_checkpointing=true
+    trl full --steps 5 ;;
   7b)
-    kfrl lora --iterations 5 $lora actor.ppo_micro_batch_size_per_gpu=8 --keep-weights 1
-    trl lora --steps 4 --lora-rank 64 --lora-alpha 128 ;;
+    kfrl lora --iterations 4 $lora actor.ppo_micro_batch_size_per_gpu=8 --keep-weights 1
+    trl lora --steps 3 --lora-rank 64 --lora-alpha 128 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -149,6 +149,69 @@ def run_stages(root: Path, iterations: int, *extra) -> Run:
     return Run.at(store.uri)
 
 
+@pytest.mark.parametrize("lora", [[], ["model.lora_rank=4", "critic.lora_rank=4"]], ids=["full", "lora"])
+def test_gradient_checkpointing_recomputes_blocks_and_trains_as_without(tmp_path, lora):
+    """Actor and critic (GAE) with veRL's enable_gradient_checkpointing, full or LoRA: the same committed
+    weights (or adapters) as without, and each block's forward runs again in the backward pass."""
+    options = ["algorithm.adv_estimator=gae", "actor.lr=1e-3", "critic.lr=1e-3", *lora]
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    forget_process_state()
+    plain = run_stages(tmp_path / "a", 2, *options)
+    forget_process_state()
+    checkpointed = run_stages(tmp_path / "b", 2, *options,
+                              "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                              "critic.model.enable_gradient_checkpointing=true")
+    for stage in ("update_actor", "update_critic"):
+        a, b = (load_file(r.store.committed_dir(r.manifest(stage, 2)) / weights)
+                for r in (plain, checkpointed))
+        assert a.keys() == b.keys()
+        assert not all(torch.equal(a[k], load_file(plain.store.committed_dir(plain.manifest(stage, 1))
+                                                   / weights)[k]) for k in a)  # it trained
+        assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a), stage
+    for role in ("actor", "critic"):
+        model = update._RESIDENT_TRAINERS[role][1]
+        hf_model = model.get_base_model() if lora else model
+        block = hf_model.base_model.layers[0]
+        calls = []
+        mlp_forward = type(block.mlp).forward
+        # Counted in forward itself: module hooks do not fire when checkpointing recomputes a block.
+        block.mlp.forward = lambda *args, **kwargs: (calls.append(1), mlp_forward(block.mlp, *args, **kwargs))[1]
+        try:
+            model.train()
+            out = model(input_ids=torch.tensor([[1, 2, 3, 4]]))
+            (out.logits.float().sum()).backward()
+        finally:
+            del block.mlp.forward
+            model.zero_grad(set_to_none=True)
+        assert len(calls) == 2, role  # once forward, once recomputed for the backward
+
+
+def test_checkpointed_blocks_recompute_under_the_forwards_attention_kernels():
+    """The backward runs outside the update's attention_kernels(); a recomputed block must still use the
+    forward's SDPA kernels (cuDNN attention saves other shapes: torch's CheckpointError on CUDA). Only the
+    global kernel flags are exercised, so this runs on CPU."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from kfrl.engines.inference import attention_kernels
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    update.enable_gradient_checkpointing(model, "cuda")
+    block = model.model.layers[0]
+    cudnn_allowed = []
+    mlp_forward = type(block.mlp).forward
+    block.mlp.forward = lambda *args, **kwargs: (cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled()),
+                                                 mlp_forward(block.mlp, *args, **kwargs))[1]
+    model.train()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_kernels("cuda"):
+        loss = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.float().sum()
+    loss.backward()
+    assert cudnn_allowed == [False, False]  # forward, recompute
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the recompute
+
+
 @pytest.mark.gpu
 def test_offloaded_training_copies_wait_in_host_memory_and_train_as_without(tmp_path):
     if not torch.cuda.is_available():
@@ -160,6 +223,12 @@ def test_offloaded_training_copies_wait_in_host_memory_and_train_as_without(tmp_
     offloaded = run_stages(tmp_path / "b", 3, *gpu, "actor.param_offload=true", "actor.optimizer_offload=true")
     model, optimizer = update._RESIDENT_TRAINERS["actor"][1:3]
     assert all(p.device.type == "cpu" for p in model.parameters())
+    from kfrl.models.host_memory import SMALL_TENSOR, is_page_locked
+
+    # The weights wait in the host buffers kept for the next offload; large ones are page-locked.
+    kept = {t.data_ptr() for t in model._kfrl_offload_buffers}
+    assert all(p.data_ptr() in kept for p in model.parameters())
+    assert all(is_page_locked(p.data) for p in model.parameters() if p.numel() * p.element_size() >= SMALL_TENSOR)
     assert all(t.device.type == "cpu" for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     metrics = offloaded.manifest("update_actor", 3).metrics
     assert metrics["timing_s/offload"] > 0 and metrics["timing_s/onload"] > 0

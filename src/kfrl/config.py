@@ -181,6 +181,10 @@ class TrainingCopyConfig(Section):
     # them in and back out (kfrl.engines.offload; counted in timing_s/offload).
     param_offload: bool = False
     optimizer_offload: bool = False
+    # veRL's model.enable_gradient_checkpointing: the update keeps only each transformer block's input and
+    # recomputes the block in the backward pass: activation memory falls by about the layer count, for
+    # one more forward's compute (about a third more update time).
+    gradient_checkpointing: bool = False
 
 
 class ActorConfig(TrainingCopyConfig):

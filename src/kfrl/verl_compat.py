@@ -26,6 +26,7 @@ VERL_KEYS: dict[str, str] = {
     f"{AR}.model.exclude_modules": "model.exclude_modules",
     f"{AR}.actor.fsdp_config.model_dtype": "actor.master_dtype",
     f"{AR}.actor.fsdp_config.param_offload": "actor.param_offload",
+    f"{AR}.model.enable_gradient_checkpointing": "actor.gradient_checkpointing",
     f"{AR}.actor.fsdp_config.optimizer_offload": "actor.optimizer_offload",
     f"{AR}.actor.grad_clip": "actor.grad_clip",
     f"{AR}.actor.ppo_mini_batch_size": "actor.ppo_mini_batch_size",
@@ -83,6 +84,7 @@ VERL_KEYS: dict[str, str] = {
     "critic.model.exclude_modules": "critic.exclude_modules",
     "critic.model.fsdp_config.model_dtype": "critic.master_dtype",
     "critic.model.fsdp_config.param_offload": "critic.param_offload",
+    "critic.model.enable_gradient_checkpointing": "critic.gradient_checkpointing",
     "critic.model.fsdp_config.optimizer_offload": "critic.optimizer_offload",
     "critic.optim.optimizer": "critic.optimizer",
     "critic.ppo_micro_batch_size": "critic.ppo_micro_batch_size_per_gpu",
@@ -128,7 +130,6 @@ _STORE = "checkpoints live in the run's store (store.uri); resume with kfrl trai
 # Only subtrees are wildcards, so a misspelt veRL key is still an error with a suggestion.
 IGNORED: dict[str, str] = {
     f"{AR}.model.use_remove_padding": "kfrl pads per micro-batch; there is no remove-padding path",
-    f"{AR}.model.enable_gradient_checkpointing": _MEMORY,
     f"{AR}.model.enable_activation_offload": _MEMORY,
     f"{AR}.model.use_liger": _MEMORY,
     f"{AR}.model.use_fused_kernels": _MEMORY,
@@ -181,7 +182,6 @@ IGNORED: dict[str, str] = {
     f"{AR}.ref.log_prob_max_token_len_per_gpu": "the reference pass follows rollout.log_prob_max_token_len_per_gpu",
     f"{AR}.ref.fsdp_config.": _MEMORY,
     f"{AR}.ref.ulysses_sequence_parallel_size": _PARALLEL,
-    "critic.model.enable_gradient_checkpointing": _MEMORY,
     "critic.model.use_remove_padding": "kfrl pads per micro-batch; there is no remove-padding path",
     "critic.model.trust_remote_code": _UNUSED_MODEL,
     "critic.model.external_lib": _UNUSED_MODEL,

@@ -191,9 +191,44 @@ def _load_training_model(ctx: StageContext, role: Role, manifest):
         if manifest.info.get("adapter"):
             adapter, _scaling = read_adapter(ctx.checkpoint_dir(manifest, training_state=True), device=ctx.device)
             load_adapter_state(model, adapter)
+    if section.gradient_checkpointing:
+        enable_gradient_checkpointing(model, str(ctx.device).split(":")[0])
     if role.name == "actor" and ctx.config.actor.use_torch_compile and next(model.parameters()).is_cuda:
         compile_layers(model)
     return model
+
+
+def enable_gradient_checkpointing(model, device_type: str) -> None:
+    """Recompute each transformer block in the backward pass instead of keeping its activations
+    (transformers' non-reentrant checkpointing: gradients reach LoRA adapters behind frozen embeddings).
+
+    The recompute runs under the same attention-kernel choice as the forward: the backward happens
+    outside ``attention_kernels``, and a block recomputed with another SDPA kernel (cuDNN's) saves
+    tensors of other shapes, which torch's checkpoint refuses (CheckpointError)."""
+    import functools
+    import inspect
+
+    from kfrl.engines.inference import attention_kernels
+
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(hf_model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(hf_model).__name__} does not support gradient checkpointing; "
+                         "set actor/critic.gradient_checkpointing=false")
+    kwargs = {"use_reentrant": False,
+              "context_fn": functools.partial(_recompute_contexts, attention_kernels, device_type)}
+    enable = getattr(hf_model, "activation_checkpointing_enable", None)  # the newer transformers' name
+    if enable is not None and "activation_checkpointing_kwargs" in inspect.signature(enable).parameters:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    hf_model.config.use_cache = False
+
+
+def _recompute_contexts(attention_kernels, device_type: str):
+    """torch checkpoint's context_fn: (the forward's context, the recompute's context)."""
+    import contextlib
+
+    return contextlib.nullcontext(), attention_kernels(device_type)
 
 
 def model_dtype(model):
