@@ -45,6 +45,10 @@ GROUPS: dict[str, pa.Schema] = {
         ("ground_truth", pa.string()),
         ("extra_info", pa.string()),
         ("raw_prompt", pa.string()),  # the prompt's chat messages (JSON), for reward models and functions
+        # Multi-turn rollouts only (rollout.multi_turn.enable): veRL's turn count, and where each turn
+        # (assistant, tool, assistant, ...) starts in the response.
+        ("num_turns", pa.int64()),
+        ("turn_offsets", _TOKENS),
     ),
     "score": _schema(
         ("score", pa.float32()),
@@ -82,7 +86,8 @@ PER_TOKEN_COLUMNS: set[str] = {
 
 # Columns of a group that a stage writes only when the configuration asks for them: a table of the
 # group either has the column (with the group's type) or lacks it; nothing else may be missing.
-OPTIONAL_COLUMNS: dict[str, frozenset[str]] = {"old_logprob": frozenset({"sum_pi_squared"})}
+OPTIONAL_COLUMNS: dict[str, frozenset[str]] = {"old_logprob": frozenset({"sum_pi_squared"}),
+                                               "rollout": frozenset({"num_turns", "turn_offsets"})}
 
 FINISH_REASONS = ("stop", "length")
 

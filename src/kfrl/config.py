@@ -27,7 +27,8 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
-    # Parquet file(s) in veRL's RL-dataset schema, or "builtin:arith" for the synthetic task.
+    # Parquet file(s) in veRL's RL-dataset schema, "builtin:arith" (2-digit sums) or "builtin:arith_tools"
+    # (3-digit sums with a calculator tool, for rollout.multi_turn).
     train_files: str = "builtin:arith"
     val_files: Optional[str] = None
     train_batch_size: int = Field(8, ge=1, description="prompts per iteration")
@@ -78,6 +79,31 @@ class ValKwargsConfig(Section):
     n: int = Field(1, ge=1)
 
 
+class MultiTurnConfig(Section):
+    # Multi-turn rollouts with tools (veRL's rollout.multi_turn; kfrl.agent): the model writes until its
+    # turn ends; Hermes tool calls (<tool_call>{"name": ..., "arguments": ...}</tool_call>) in the turn
+    # run, their answers are appended as `tool` messages through the chat template and generation goes
+    # on, up to the turn limits or data.max_response_length, which counts every response token (the
+    # model's and the inserted ones). Inserted tokens get response_mask 0: only the model's own tokens
+    # are trained on.
+    enable: bool = False
+    max_assistant_turns: Optional[int] = Field(None, ge=1, description="null: until the length budget")
+    max_user_turns: Optional[int] = Field(None, ge=1, description="tool-answer turns; null: no limit")
+    # veRL's tool-config YAML: tools: [{class_name: ..., config: {...}, tool_schema: {type: function, ...}}].
+    tool_config_path: Optional[str] = None
+    # Plain Python functions with type hints and a docstring (TRL's way): "package.module:function" or
+    # "path/to/file.py:function"; the schema comes from the signature.
+    tools: list[str] = []
+    format: Literal["hermes"] = "hermes"
+    max_parallel_calls: int = Field(1, ge=1, description="tool calls of one turn that run; the rest are dropped")
+    max_tool_response_length: int = Field(256, ge=1, description="characters of a tool's answer kept")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    # Tools run in worker processes, not in the trainer: one that raises, hangs past the timeout (its
+    # worker is killed and replaced) or returns something unprintable answers the model with an error.
+    tool_timeout_s: float = Field(30.0, gt=0)
+    tool_workers: int = Field(4, ge=1)
+
+
 class RolloutConfig(Section):
     # Rollout backend (kfrl.engines.rollout). "auto": "torch" on a GPU when it supports the model
     # (Qwen2/2.5/3, Llama), else "hf". "torch": kfrl's graph-captured batched decoder. "hf":
@@ -103,6 +129,7 @@ class RolloutConfig(Section):
     # vllm backend: share of GPU memory vLLM may take (weights + KV cache), as in veRL.
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     val_kwargs: ValKwargsConfig = ValKwargsConfig()
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
 
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus",

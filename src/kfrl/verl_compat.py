@@ -74,6 +74,9 @@ VERL_KEYS: dict[str, str] = {
     f"{AR}.rollout.val_kwargs.top_p": "rollout.val_kwargs.top_p",
     f"{AR}.rollout.val_kwargs.top_k": "rollout.val_kwargs.top_k",
     f"{AR}.rollout.val_kwargs.n": "rollout.val_kwargs.n",
+    **{f"{AR}.rollout.multi_turn.{key}": f"rollout.multi_turn.{key}"
+       for key in ("enable", "max_assistant_turns", "max_user_turns", "tool_config_path", "format",
+                   "max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side")},
     "critic.optim.lr": "critic.lr",
     "critic.optim.weight_decay": "critic.weight_decay",
     "critic.optim.betas": "critic.betas",
@@ -169,7 +172,11 @@ IGNORED: dict[str, str] = {
     f"{AR}.rollout.layered_summon": _VLLM,
     f"{AR}.rollout.engine_kwargs.": _VLLM,
     f"{AR}.rollout.mode": "kfrl's rollout is a batch stage (veRL's sync mode); no async agent loop",
-    f"{AR}.rollout.multi_turn.": "multi-turn rollout is not implemented",
+    f"{AR}.rollout.multi_turn.interaction_config_path": "simulated-user interactions are not implemented; tools are",
+    f"{AR}.rollout.multi_turn.use_inference_chat_template": "tool answers are rendered with the model's own chat template",
+    f"{AR}.rollout.multi_turn.tokenization_sanity_check_mode": "kfrl appends the chat template's tokens for tool "
+                                                               "answers and keeps the model's tokens as sampled",
+    f"{AR}.rollout.multi_turn.num_repeat_rollouts": "use rollout.n",
     f"{AR}.rollout.agent.": "agent-loop rollout is not implemented",
     f"{AR}.rollout.do_sample": "training rollouts always sample (validation: rollout.val_kwargs.do_sample)",
     f"{AR}.rollout.ignore_eos": "responses end at EOS",

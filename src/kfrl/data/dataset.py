@@ -71,12 +71,15 @@ def tokenize_prompt(tokenizer, messages: list[dict], max_length: int, source: st
 
 
 def tokenize_prompts(tokenizer, conversations: list[list[dict]], max_length: int, sources: list[str],
-                     truncation: str = "error") -> list[list[int]]:
+                     truncation: str = "error", tools: list[dict] | None = None) -> list[list[int]]:
     """``tokenize_prompt`` of each conversation, the chat template rendered per conversation and the
-    texts encoded in one batch (one call into the tokenizer's backend instead of one per prompt)."""
+    texts encoded in one batch (one call into the tokenizer's backend instead of one per prompt).
+    ``tools``: OpenAI function schemas the template lists for the model (multi-turn rollouts)."""
     if not conversations:
         return []
-    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in conversations]
+    extra = {"tools": tools} if tools else {}
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **extra)
+             for m in conversations]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return [_truncated(list(ids), max_length, source, truncation) for ids, source in zip(encoded, sources)]
 

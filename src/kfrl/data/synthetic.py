@@ -116,3 +116,32 @@ def make_arith_rows(n: int, seed: int, split: str) -> list[dict]:
         problem_to_row(problem, split, index)
         for index, problem in enumerate(sample_problems(n, seed, split))
     ]
+
+
+# --- the tool task: 3-digit sums, which a tiny model cannot do in its head but a calculator can ------
+
+TOOL_OPERANDS = (100, 999)
+
+
+def sample_tool_problems(n: int, seed: int, split: str) -> list[ArithProblem]:
+    """n 3-digit addition problems of `split` (the same fixed pair hash decides the split)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    rng = random.Random(f"tools:{seed}:{split}")
+    problems: list[ArithProblem] = []
+    while len(problems) < n:
+        a, b = rng.randint(*TOOL_OPERANDS), rng.randint(*TOOL_OPERANDS)
+        if split_of_pair(a, b) == split:
+            problems.append(ArithProblem(a, b))
+    return problems
+
+
+def make_tool_rows(n: int, seed: int, split: str) -> list[dict]:
+    """Rows of the tool task in veRL's multi-turn schema: ``agent_name`` picks veRL's tool agent; the
+    calculator is stateless, so no ``extra_info.tools_kwargs`` are needed."""
+    rows = []
+    for index, problem in enumerate(sample_tool_problems(n, seed, split)):
+        row = problem_to_row(problem, split, index)
+        row["agent_name"] = "tool_agent"
+        rows.append(row)
+    return rows

@@ -39,9 +39,17 @@ SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 
 # Qwen's ChatML layout, without Qwen2.5's default system prompt: that prompt
 # would triple the length of every sequence for no benefit on this task.
+# Tool answers render as Qwen2.5's template renders them: consecutive `tool` messages share one user
+# turn, each wrapped in <tool_response> tags.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] | string + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -53,6 +61,8 @@ CHAT_TEMPLATE = (
 # alphabet would break the "vocab < 200" budget.
 _ASCII_ALPHABET = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
 _ROLE_NAMES = ("system", "user", "assistant")
+# Qwen2.5's tool tokens (added tokens, not special: decoded text keeps them, as Qwen's tokenizer does).
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 DEFAULT_TOKENIZER_VOCAB = 160
 
 
@@ -102,7 +112,8 @@ def _train_bpe(corpus_texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def build_tokenizer(corpus_texts: Iterable[str], vocab_size: int = DEFAULT_TOKENIZER_VOCAB) -> PreTrainedTokenizerFast:
+def build_tokenizer(corpus_texts: Iterable[str], vocab_size: int = DEFAULT_TOKENIZER_VOCAB,
+                    tool_tokens: bool = False) -> PreTrainedTokenizerFast:
     """Train a small byte-level BPE tokenizer on the task corpus; return it as a Qwen2Tokenizer.
 
     Every digit is its own token (Qwen's pre-tokenizer isolates digits before
@@ -111,8 +122,10 @@ def build_tokenizer(corpus_texts: Iterable[str], vocab_size: int = DEFAULT_TOKEN
     Wrapping the trained vocab + merges in Qwen2Tokenizer makes the saved
     ``tokenizer_config.json`` name the class that loaders pick for qwen2 anyway.
     """
+    if tool_tokens:
+        corpus_texts = [_strip_tool_tokens(t) for t in corpus_texts]
     trained = json.loads(_train_bpe(corpus_texts, vocab_size).to_str())["model"]
-    return Qwen2Tokenizer(
+    tokenizer = Qwen2Tokenizer(
         vocab=trained["vocab"],
         merges=[tuple(merge) for merge in trained["merges"]],
         unk_token=None,
@@ -123,6 +136,15 @@ def build_tokenizer(corpus_texts: Iterable[str], vocab_size: int = DEFAULT_TOKEN
         chat_template=CHAT_TEMPLATE,
         model_max_length=128,
     )
+    if tool_tokens:
+        tokenizer.add_tokens(TOOL_TOKENS)
+    return tokenizer
+
+
+def _strip_tool_tokens(text: str) -> str:
+    for token in TOOL_TOKENS:
+        text = text.replace(token, " ")
+    return text
 
 
 def arith_corpus(rows: Sequence[dict]) -> list[str]:
@@ -251,6 +273,7 @@ def sft_warm_start(
     stop_at_accuracy: float | None = None,
     eval_every: int = 25,
     log_every: int = 0,
+    data: SftBatchTensors | None = None,
 ) -> dict:
     """Supervised warm start on the reference solutions (response tokens only).
 
@@ -263,7 +286,7 @@ def sft_warm_start(
     leave a policy that is right on only part of the prompts, which is what RL
     needs to have signal. Deterministic for a given seed on a given platform.
     """
-    data = encode_sft_examples(tokenizer, rows)
+    data = data if data is not None else encode_sft_examples(tokenizer, rows)
     device = model.device
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -374,9 +397,18 @@ class BuiltinRecipe:
     sft_eval_every: int = 25
     # Bump when code changes alter the result without changing the fields above.
     revision: int = 2
+    # "arith": 2-digit sums answered directly. "arith_tools": 3-digit sums; a tool_fraction of the warm
+    # start's examples call the `add` tool (Hermes format) and copy its answer, the rest answer directly.
+    task: str = "arith"
+    tool_fraction: float = 0.0
 
 
-BUILTIN_MODELS: dict[str, BuiltinRecipe] = {"tiny-qwen2-arith": BuiltinRecipe()}
+BUILTIN_MODELS: dict[str, BuiltinRecipe] = {
+    "tiny-qwen2-arith": BuiltinRecipe(),
+    # The tool demo's policy: calls the calculator on about a quarter of the prompts after its warm start.
+    "tiny-qwen2-arith-tools": BuiltinRecipe(task="arith_tools", tool_fraction=0.25, n_sft_rows=3000,
+                                            tokenizer_vocab=200, sft_max_steps=500, sft_stop_at_accuracy=1.0),
+}
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -412,10 +444,71 @@ def held_out_rows(sft_rows: Sequence[dict], n: int, seed: int) -> list[dict]:
     return picked
 
 
+def tool_call_text(a: int, b: int) -> str:
+    """A Hermes tool call of the demo's calculator, as Qwen2.5 writes one."""
+    return f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+
+
+def encode_tool_sft_examples(tokenizer: PreTrainedTokenizerFast, rows: Sequence[dict], tool_fraction: float,
+                             seed: int) -> SftBatchTensors:
+    """The tool task's warm start: a ``tool_fraction`` of the rows call ``add`` (the call and EOS, then
+    the tool answer exactly as the rollout appends it, unlabelled, then ``#### sum`` and EOS); the others
+    answer ``#### sum`` directly."""
+    import random
+
+    from kfrl.agent.chat import ToolMessageTokens
+
+    rng = random.Random(seed)
+    eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    tool_answer = ToolMessageTokens(tokenizer)
+    sequences, label_rows = [], []
+    for row in rows:
+        prompt = _encode(tokenizer, prompt_text(tokenizer, row))
+        total = row["reward_model"]["ground_truth"]
+        answer = _encode(tokenizer, f"#### {total}") + [eos]
+        if rng.random() < tool_fraction:
+            a, b = (int(x) for x in row["extra_info"]["question"].removeprefix("What is ").rstrip("?").split(" + "))
+            call = _encode(tokenizer, tool_call_text(a, b)) + [eos]
+            inserted = tool_answer([total])
+            sequences.append(prompt + call + inserted + answer)
+            label_rows.append([-100] * len(prompt) + call + [-100] * len(inserted) + answer)
+        else:
+            sequences.append(prompt + answer)
+            label_rows.append([-100] * len(prompt) + answer)
+    width = max(len(seq) for seq in sequences)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (seq, lab) in enumerate(zip(sequences, label_rows)):
+        input_ids[i, :len(seq)] = torch.tensor(seq)
+        labels[i, :len(lab)] = torch.tensor(lab)
+        attention_mask[i, :len(seq)] = 1
+    return SftBatchTensors(input_ids, attention_mask, position_ids_from_mask(attention_mask), labels)
+
+
+def _build_tool_builtin(recipe: BuiltinRecipe) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, dict]:
+    from kfrl.data.synthetic import make_tool_rows
+
+    rows = make_tool_rows(recipe.n_sft_rows, recipe.seed, "train")
+    corpus = arith_corpus(rows) + [tool_call_text(1, 2), f"#### {rows[0]['reward_model']['ground_truth']}"] * 50
+    tokenizer = build_tokenizer(corpus, vocab_size=recipe.tokenizer_vocab, tool_tokens=True)
+    model = build_tiny_model(tokenizer, recipe.seed, hidden_size=recipe.hidden_size, layers=recipe.layers)
+    data = encode_tool_sft_examples(tokenizer, rows, recipe.tool_fraction, recipe.seed)
+    metrics = sft_warm_start(model, tokenizer, rows, steps=recipe.sft_max_steps, lr=recipe.sft_lr,
+                             batch_size=recipe.sft_batch_size, seed=recipe.seed, data=data)
+    return model, tokenizer, metrics
+
+
 def build_builtin(recipe: BuiltinRecipe, out_dir: Path) -> dict:
     """Build tokenizer + model + SFT warm start for `recipe` and save it as an HF dir."""
     from kfrl.models.hf_io import save_hf  # local import: hf_io is a thin sibling module
 
+    if recipe.task == "arith_tools":
+        model, tokenizer, metrics = _build_tool_builtin(recipe)
+        save_hf(model, tokenizer, out_dir)
+        (out_dir / "kfrl_builtin.json").write_text(
+            json.dumps({"recipe": asdict(recipe), "metrics": metrics}, indent=2, sort_keys=True))
+        return metrics
     rows = make_arith_rows(recipe.n_sft_rows, recipe.seed, "train")
     tokenizer = build_tokenizer(arith_corpus(rows), vocab_size=recipe.tokenizer_vocab)
     model = build_tiny_model(tokenizer, recipe.seed, hidden_size=recipe.hidden_size, layers=recipe.layers)

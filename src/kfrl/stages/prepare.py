@@ -15,7 +15,7 @@ from kfrl.store import Store
 # from the current invocation's was made for another config, so it is discarded and redone.
 FINGERPRINT = "prepared_with"
 
-BUILTIN_DATA = {"builtin:arith"}
+BUILTIN_DATA = {"builtin:arith", "builtin:arith_tools"}
 
 
 def fingerprint(settings: dict) -> str:
@@ -40,12 +40,13 @@ def _read_dataset_source(spec: str, *, split: str, config: Config):
     from kfrl.data.dataset import check_columns
 
     if spec in BUILTIN_DATA:
-        from kfrl.data.synthetic import make_arith_rows
+        from kfrl.data.synthetic import make_arith_rows, make_tool_rows
 
         n = config.data.builtin_train_size if split == "train" else config.data.builtin_val_size
         seed = config.data.seed if split == "train" else config.data.seed + 7919
+        make_rows = make_tool_rows if spec == "builtin:arith_tools" else make_arith_rows
         # The synthetic task's held-out problems are its "test" split.
-        return pa.Table.from_pylist(make_arith_rows(n, seed, "train" if split == "train" else "test"))
+        return pa.Table.from_pylist(make_rows(n, seed, "train" if split == "train" else "test"))
     tables = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
         if "://" in part:
@@ -55,7 +56,7 @@ def _read_dataset_source(spec: str, *, split: str, config: Config):
             path = Path(part).expanduser()
             if not path.is_file():
                 raise FileNotFoundError(f"data file not found: {path} (data.{split}_files); expected a Parquet "
-                                        "file in veRL's RL-dataset schema, or builtin:arith")
+                                        "file in veRL's RL-dataset schema, or builtin:arith / builtin:arith_tools")
             data = path.read_bytes()
         table = table_from_parquet_bytes(data, part, written_by=f"you (data.{split}_files)")
         check_columns(table.column_names, config, part, f"data.{split}_files")

@@ -89,19 +89,37 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
     rewards = ctx.rewards(tokenizer) if dynamic else None  # DAPO's filter scores every generation batch
     generate_seconds: list[float] = []
 
+    multi_turn = cfg.rollout.multi_turn.enable
+    pool = None
+    agent_metrics: list[dict[str, float]] = []
+    if multi_turn:
+        from kfrl.agent.tools import tool_pool
+
+        pool = tool_pool(cfg.rollout.multi_turn)
+
     def generate(data_batch: int, k: int) -> GenBatch:
         epoch, rows = iteration_rows(table.num_rows, batch_size, data_batch, seed=cfg.data.seed,
                                      shuffle=cfg.data.shuffle)
         records = table.take(rows).to_pylist()
         where = [f"{source} row {int(i)}" for i in rows]
         prompts = tokenize_prompts(tokenizer, [prompt_messages(r, cfg.data.prompt_key, w) for r, w in zip(records, where)],
-                                   cfg.data.max_prompt_length, where, cfg.data.truncation)
-        started = time.perf_counter()
-        generations = engine.generate_responses(prompts, params, seed=ctx.seed("rollout", stream=k))
-        generate_seconds.append(time.perf_counter() - started)
+                                   cfg.data.max_prompt_length, where, cfg.data.truncation,
+                                   tools=pool.schemas if pool else None)
         # The prompt group id; extra generation batches get their own so groups never merge.
         tag = f"it{ctx.iteration:06d}" + (f"-g{k}" if k else "")
-        return GenBatch([f"{tag}-row{int(i)}" for i in rows], records, prompts, generations, epoch)
+        uids = [f"{tag}-row{int(i)}" for i in rows]
+        started = time.perf_counter()
+        if multi_turn:
+            from kfrl.agent.loop import agent_generate
+
+            generations, metrics = agent_generate(
+                engine, prompts, params, config=cfg, tokenizer=tokenizer, pool=pool, records=records,
+                sample_ids=[f"{uid}-s{j}" for uid in uids for j in range(n)], seed=ctx.seed("rollout", stream=k))
+            agent_metrics.append(metrics)
+        else:
+            generations = engine.generate_responses(prompts, params, seed=ctx.seed("rollout", stream=k))
+        generate_seconds.append(time.perf_counter() - started)
+        return GenBatch(uids, records, prompts, generations, epoch)
 
     start = first_data_batch(ctx)
     kept: list[tuple[GenBatch, int]] = []  # (generation batch, prompt index within it)
@@ -125,7 +143,9 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
                 "may be too hard or too easy for the policy; raise max_num_gen_batches (0 = no limit), "
                 "data.gen_batch_size or rollout.n")
 
-    columns: dict[str, list] = {name: [] for name in batch.GROUPS["rollout"].names}
+    turn_columns = {"num_turns", "turn_offsets"}
+    columns: dict[str, list] = {name: [] for name in batch.GROUPS["rollout"].names
+                                if multi_turn or name not in turn_columns}
     for gen, g in kept:
         record, prompt_ids, uid = gen.records[g], gen.prompts[g], gen.uids[g]
         for k in range(n):
@@ -137,12 +157,16 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
             columns["data_source"].append(str(record.get(cfg.data.reward_fn_key, "")))
             columns["prompt_ids"].append(prompt_ids)
             columns["response_ids"].append(generation.response_ids)
-            columns["response_mask"].append([1] * len(generation.response_ids))
+            columns["response_mask"].append(getattr(generation, "response_mask", None)
+                                            or [1] * len(generation.response_ids))
             columns["rollout_logprobs"].append(generation.rollout_logprobs)
             columns["finish_reason"].append(generation.finish_reason)
             columns["ground_truth"].append(ground_truth_of(record))
             columns["extra_info"].append(json.dumps(record.get("extra_info") or {}, default=str))
             columns["raw_prompt"].append(json.dumps(prompt_messages(record, cfg.data.prompt_key, uid), default=str))
+            if multi_turn:
+                columns["num_turns"].append(generation.num_turns)
+                columns["turn_offsets"].append(generation.turn_offsets)
     attempt.info["data_batch_end"] = start + n_gen_batches - 1
     attempt.info["rollout_backend"] = engine.name
 
@@ -165,7 +189,18 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
     }
     if dynamic:
         metrics["train/num_gen_batches"] = float(n_gen_batches)
+    if multi_turn:
+        metrics.update(kept_conversation_metrics([gen.generations[g * n + k] for gen, g in kept for k in range(n)],
+                                                 agent_metrics))
     return columns, metrics
+
+
+def kept_conversation_metrics(conversations, per_batch: list[dict[str, float]]) -> dict[str, float]:
+    """The multi-turn metrics of the trajectories the batch keeps (DAPO may generate more), with the
+    agent loop's time summed over every generation batch."""
+    from kfrl.agent.loop import conversation_metrics
+
+    return conversation_metrics(conversations, sum(m["timing_s/agent_loop"] for m in per_batch))
 
 
 def _filter(ctx: StageContext, gen: GenBatch, rewards) -> list[int]:

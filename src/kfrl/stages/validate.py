@@ -50,14 +50,29 @@ def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]
     tokenizer = ctx.load_tokenizer(policy)
     where = [f"{source} row {i}" for i in range(len(records))]
     messages = [prompt_messages(r, cfg.data.prompt_key, w) for r, w in zip(records, where)]
-    prompts = tokenize_prompts(tokenizer, messages, cfg.data.max_prompt_length, where, cfg.data.truncation)
+    pool = None
+    if cfg.rollout.multi_turn.enable:
+        from kfrl.agent.tools import tool_pool
+
+        pool = tool_pool(cfg.rollout.multi_turn)
+    prompts = tokenize_prompts(tokenizer, messages, cfg.data.max_prompt_length, where, cfg.data.truncation,
+                               tools=pool.schemas if pool else None)
     kw = cfg.rollout.val_kwargs
     greedy = not kw.do_sample or kw.temperature == 0
     params = SamplingParams(n=kw.n, temperature=kw.temperature if not greedy else 1.0, top_p=kw.top_p,
                             top_k=kw.top_k, max_new_tokens=cfg.data.max_response_length, do_sample=not greedy)
     engine = ctx.rollout_engine(policy, micro_batch_size=cfg.data.val_batch_size or cfg.rollout.micro_batch_size)
     # The same draws at every validation (iteration 0's seed), so validations compare like with like.
-    generations = engine.generate_responses(prompts, params, seed=ctx.seed("validate", iteration=0))
+    seed = ctx.seed("validate", iteration=0)
+    sample_ids = [f"val-{i}-s{k}" for i in range(len(records)) for k in range(kw.n)]
+    agent_metrics: dict[str, float] = {}
+    if pool is not None:  # the tool agent answers validation prompts too, as veRL's agent loop does
+        from kfrl.agent.loop import agent_generate
+
+        generations, agent_metrics = agent_generate(engine, prompts, params, config=cfg, tokenizer=tokenizer, pool=pool,
+                                                    records=records, sample_ids=sample_ids, seed=seed)
+    else:
+        generations = engine.generate_responses(prompts, params, seed=seed)
     expanded = [i for i in range(len(records)) for _ in range(kw.n)]
     data_sources = [str(records[i].get(cfg.data.reward_fn_key, "")) for i in expanded]
     truths = [ground_truth_of(records[i]) for i in expanded]
@@ -66,9 +81,12 @@ def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]
                                           [records[i].get("extra_info") for i in expanded],
                                           [json.dumps(messages[i], default=str) for i in expanded])
     columns = {
-        "sample_id": [f"val-{i}-s{k}" for i in range(len(records)) for k in range(kw.n)],
+        "sample_id": sample_ids,
         "data_source": data_sources, "prompt_ids": [prompts[i] for i in expanded], "response_ids": responses,
         "ground_truth": truths, "score": [s.score for s in scored], "acc": [s.acc for s in scored],
         "reward_extra": [json.dumps(s.extra, default=str) for s in scored]}
-    return columns, validation_metrics(data_sources, [s.score for s in scored], [s.acc for s in scored],
-                              [s.extra for s in scored], [len(r) for r in responses], kw.n)
+    metrics = validation_metrics(data_sources, [s.score for s in scored], [s.acc for s in scored],
+                                 [s.extra for s in scored], [len(r) for r in responses], kw.n)
+    # e.g. val-aux/num_turns/mean, val-aux/tool_calls/sample_rate
+    metrics.update({f"val-aux/{name}": value for name, value in agent_metrics.items() if not name.startswith("timing")})
+    return columns, metrics
