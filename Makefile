@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
 
-.PHONY: demo test test-portability test-all install compile clean images
+.PHONY: demo demo-tools test test-portability test-all install compile clean images
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ install: $(STAMP)
 # A small real training on the embedded default: KFP local runner, local store, local MLflow.
 demo: $(STAMP)
 	$(VENV)/bin/kfrl train --config configs/demo.yaml
+
+demo-tools: $(STAMP)
+	$(VENV)/bin/kfrl train --config configs/demo_tools.yaml
 
 # checkov (the Terraform security scan of tests/test_terraform.py) lives in its own venv: its pins
 # (boto3, networkx, packaging, ...) conflict with constraints.txt.

@@ -248,13 +248,32 @@ def generation_rows(run: Run, iteration: int, limit: int) -> list[dict]:
     table = ctx.read_groups("rollout", "score").slice(0, limit)
     tokenizer = ctx.load_tokenizer(ctx.policy_manifest(0))
     prompts = tokenizer.batch_decode(table.column("prompt_ids").to_pylist(), skip_special_tokens=False)
-    responses = tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=False)
-    return [{"iteration": iteration, "sample_id": s, "uid": u, "policy_version": v, "prompt": p, "response": r,
+    response_ids = table.column("response_ids").to_pylist()
+    responses = tokenizer.batch_decode(response_ids, skip_special_tokens=False)
+    rows = [{"iteration": iteration, "sample_id": s, "uid": u, "policy_version": v, "prompt": p, "response": r,
              "ground_truth": g, "score": sc}
             for s, u, v, p, r, g, sc in zip(
                 table.column("sample_id").to_pylist(), table.column("uid").to_pylist(),
                 table.column("policy_version").to_pylist(), prompts, responses,
                 table.column("ground_truth").to_pylist(), table.column("score").to_pylist())]
+    if "turn_offsets" in table.column_names:  # multi-turn: the conversation turn by turn
+        for row, ids, offsets, mask, turns in zip(rows, response_ids, table.column("turn_offsets").to_pylist(),
+                                                  table.column("response_mask").to_pylist(),
+                                                  table.column("num_turns").to_pylist()):
+            row["num_turns"] = turns
+            row["conversation"] = conversation_text(tokenizer, ids, offsets, mask)
+    return rows
+
+
+def conversation_text(tokenizer, response_ids: list[int], turn_offsets: list[int], response_mask: list[int]) -> str:
+    """A multi-turn response as one labelled block per turn: [assistant] what the model wrote, [tool]
+    what the loop inserted (response_mask 0)."""
+    bounds = list(turn_offsets) + [len(response_ids)]
+    parts = []
+    for start, end in zip(bounds, bounds[1:]):
+        role = "assistant" if start < len(response_mask) and response_mask[start] else "tool"
+        parts.append(f"[{role}] {tokenizer.decode(response_ids[start:end], skip_special_tokens=False)}")
+    return "\n".join(parts)
 
 
 class StageWatcher:
@@ -518,6 +537,8 @@ def iteration_line(iteration: int, total: int, metrics: dict[str, float], stage_
                        for s in STAGES if not stage_plan[s])
     # No pg_loss while the critic warms up: the actor was not updated.
     actor = f"pg_loss {metrics['actor/pg_loss']:+.4f}" if "actor/pg_loss" in metrics else "actor held"
+    tools = (f"tools {metrics['tool_calls/sample_rate']:.2f} turns {metrics['num_turns/mean']:.1f}  "
+             if "tool_calls/sample_rate" in metrics else "")
     return (f"iter {iteration:>3}/{total}  score {metrics.get('critic/score/mean', float('nan')):.3f}  "
-            f"resp_len {metrics.get('response_length/mean', float('nan')):.1f}  {actor}  "
+            f"resp_len {metrics.get('response_length/mean', float('nan')):.1f}  {tools}{actor}  "
             f"step {metrics['timing_s/step']:.1f}s  ({timings})")
