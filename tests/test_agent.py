@@ -341,3 +341,68 @@ def test_the_tool_demo_learns_to_call_the_calculator_and_trains_on_its_own_token
     shown = [r for r in rows if r.get("num_turns") == 4]
     assert shown and shown[0]["conversation"].startswith("[assistant] <tool_call>")
     assert "\n[tool] " in shown[0]["conversation"] and shown[0]["conversation"].count("[assistant]") == 2
+
+
+@pytest.fixture(scope="module")
+def tools_model():
+    from kfrl.models.hf_io import load_causal_lm, load_tokenizer
+    from kfrl.models.tiny import materialize_builtin
+
+    path = materialize_builtin("tiny-qwen2-arith-tools")
+    return path, load_causal_lm(path, dtype=torch.float32), load_tokenizer(path)
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
+def test_torch_turns_continue_from_the_kv_cache_as_a_full_forward_would(tools_model, bucketed):
+    """The torch backend's multi-turn session: each turn after a tool answer computes only the new tokens
+    (the previous turn's last token and the answer), and every log-prob it samples with equals a
+    teacher-forced pass over the whole conversation; sequences that end early are reported at once
+    (their tools start while the others decode), and compaction keeps the caches of waiting ones."""
+    from kfrl.data.synthetic import make_tool_rows
+    from kfrl.engines.decoder import Decoder
+    from kfrl.engines.inference import compute_logprobs
+    from kfrl.engines.rollout import checkpoint_eos_ids, pad_token_id
+    from kfrl.engines.rollout_torch import TorchRollout
+    from kfrl.trajectory import Trajectories
+
+    path, model, tokenizer = tools_model
+    eos = checkpoint_eos_ids(path, tokenizer)
+    engine = TorchRollout(Decoder.from_pretrained(path, device="cpu", dtype=torch.float32), eos,
+                          pad_token_id(tokenizer, eos), micro_batch_size=6, use_cuda_graphs=False, bucketed=bucketed)
+    rows = make_tool_rows(12, 3, "test")
+    prompts = [list(tokenizer(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                              add_special_tokens=False)["input_ids"]) for r in rows]
+    turns = engine.turns()
+    reported_at: list[int] = []
+    original = turns.first
+
+    def first(prompts_, params_, seed_, on_turn):
+        def watching(row, generation):
+            reported_at.append(engine.stats["decode_steps"])
+            on_turn(row, generation)
+        original(prompts_, params_, seed_, watching)
+
+    turns.first = first
+    settings = AgentSettings(budget=64, max_assistant_turns=3)
+    ids = [f"s{i}" for i in range(len(prompts) * 4)]
+    conversations = run_conversations(turns, prompts, SamplingParams(n=4, max_new_tokens=64), tokenizer=tokenizer,
+                                      pool=AddPool(), settings=settings, instance_ids=ids, tools_kwargs=[{}] * len(ids),
+                                      seed=11)
+    for chunk in turns.chunks:  # the cache shows each sequence exactly the tokens it holds, no filler
+        visible = (chunk.state.attn_bias == 0).sum(-1).tolist()
+        assert visible == [chunk.cached[row] for row in chunk._rows_by_slot()]
+    with_tools = [c for c in conversations if c.user_turns]
+    assert len(with_tools) >= 3 and any(c.assistant_turns == 2 for c in with_tools)
+    assert min(reported_at) < max(reported_at)  # early finishers were handed over before the decode ended
+    inserted = sum(end - start for c in conversations for role, start, end in c.turns if role == "tool")
+    assert engine.stats["extend_tokens"] == inserted + sum(c.user_turns for c in with_tools)  # no re-prefill
+    batch = Trajectories.from_lists([c.prompt_ids for c in conversations], [c.response_ids for c in conversations],
+                                    [c.response_mask for c in conversations], pad_id=engine.pad_id)
+    teacher, _ = compute_logprobs(model, batch, temperature=1.0, micro_batch_size=64, with_entropy=False)
+    for c, forced in zip(conversations, batch.unpad(teacher)):
+        model_tokens = [j for j, m in enumerate(c.response_mask) if m]
+        assert torch.allclose(torch.tensor([c.rollout_logprobs[j] for j in model_tokens]),
+                              torch.tensor([forced[j] for j in model_tokens]), atol=2e-4), c.turns
+        answer = tokenizer.decode(c.response_ids)
+        if c.user_turns and c.finish_reason == "stop":
+            assert answer.endswith("<|im_end|>") and "</tool_response>" in answer

@@ -276,6 +276,36 @@ class Decoder:
             x = self._mlp(block, x)
         return F.linear(self._norm(x[:, -1], self.norm), self.lm_head)
 
+    def extend(self, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
+               start: int, attn_bias: torch.Tensor) -> torch.Tensor:
+        """Appends T tokens per sequence to a filled cache (a multi-turn rollout's tool answer): input_ids,
+        valid, positions (b, T), left-padded within the T columns ``start..start+T`` of ``cache`` (layers,
+        2, >=b, kv_heads, >=start+T, hd), which receive their K/V. They attend to the columns before
+        ``start`` that ``attn_bias`` (b, >=start; 0 visible, -inf not) shows, and causally to each other.
+        Returns the logits of the last position (b, V)."""
+        s = self.spec
+        b, length = input_ids.shape
+        device = input_ids.device
+        cos_table, sin_table = self.rope_tables(int(positions.max()) + 1)
+        cos, sin = cos_table[positions].unsqueeze(-2), sin_table[positions].unsqueeze(-2)
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        new = (causal & valid[:, None, :]) | torch.eye(length, dtype=torch.bool, device=device)
+        old = (attn_bias[:b, :start] == 0)[:, None, :].expand(b, length, start) & valid[:, :, None]
+        mask = torch.cat([old, new], dim=-1).unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)
+        for layer, block in enumerate(self.blocks):
+            qkv = F.linear(self._norm(x, block.input_norm), block.qkv_weight, block.qkv_bias)
+            q, k, v = kernels.split_rotated_qkv(qkv, cos, sin, block.q_norm, block.k_norm, s.rms_norm_eps,
+                                                s.n_heads, s.n_kv_heads, s.head_dim)
+            cache[layer, 0, :b, :, start:start + length] = k.transpose(1, 2)
+            cache[layer, 1, :b, :, start:start + length] = v.transpose(1, 2)
+            keys, values = cache[layer, 0, :b, :, :start + length], cache[layer, 1, :b, :, :start + length]
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                  enable_gqa=s.n_kv_heads != s.n_heads)
+            x = x + F.linear(attn.transpose(1, 2).flatten(-2), block.o_weight, block.o_bias)
+            x = self._mlp(block, x)
+        return F.linear(self._norm(x[:, -1], self.norm), self.lm_head)
+
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, column: torch.Tensor,
                attn_bias: torch.Tensor) -> torch.Tensor:
         """One token per sequence. tokens, positions (b,); cache (layers, 2, >=b, kv_heads, >=L, hd) whose

@@ -58,6 +58,7 @@ class _DecodeState:
     column: torch.Tensor      # (1,) cache column of this step's token (shared by all slots)
     out_tokens: torch.Tensor  # (B + 1, R)
     out_logprobs: torch.Tensor
+    owner: torch.Tensor | None = None  # (B,) which sequence's cache a slot holds (multi-turn: kept across compactions)
 
 
 _WARMUP_STREAMS: dict = {}
@@ -104,6 +105,10 @@ class TorchRollout:
             out.extend(self._generate(prompts[start:start + step], params))
         return out
 
+    def turns(self) -> "TorchTurns":
+        """A multi-turn session (kfrl.agent.loop) that continues every conversation from its KV cache."""
+        return TorchTurns(self)
+
     # --- one batch ---------------------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         dec, device = self.decoder, self.decoder.device
@@ -113,11 +118,6 @@ class TorchRollout:
         longest = max(len(p) for p in prompts)
         columns = longest + max(max_new - 1, 1)
         dec.rope_tables(longest + max_new)
-
-        def sample(logits):
-            return sample_tokens(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                 greedy=not params.do_sample)
-
         st = _DecodeState(
             cache=torch.zeros((spec.n_layers, 2, batch, spec.n_kv_heads, columns, spec.head_dim),
                               dtype=dec.dtype, device=device),
@@ -131,16 +131,28 @@ class TorchRollout:
             out_logprobs=torch.zeros((batch + 1, max_new), dtype=torch.float32, device=device))
 
         first_logits = self._prefill(prompts, n, longest, st)
-        tokens, logprobs = sample(first_logits.repeat_interleave(n, dim=0))
+        self._run_turn(st, batch, first_logits.repeat_interleave(n, dim=0), max_new, longest, params)
+        return generations_from_tokens(st.out_tokens[:batch], st.out_logprobs[:batch], self.eos_ids)
+
+    def _sampler(self, params: SamplingParams):
+        def sample(logits):
+            return sample_tokens(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                 greedy=not params.do_sample)
+        return sample
+
+    def _run_turn(self, st: _DecodeState, batch: int, first_logits: torch.Tensor, max_new: int, start_column: int,
+                  params: SamplingParams, report=None) -> None:
+        """Samples each sequence's first token from ``first_logits`` (batch, V), then decodes from
+        ``start_column`` until every sequence ended or ``max_new`` tokens; outputs in st.out_*."""
+        sample = self._sampler(params)
+        tokens, logprobs = sample(first_logits)
         st.tokens.copy_(tokens)
         st.out_tokens[:batch, 0] = tokens
         st.out_logprobs[:batch, 0] = logprobs
         st.finished.copy_(self._eos_table[tokens])
         del first_logits
-
         if max_new > 1:
-            self._decode(st, batch, max_new, longest, params, sample)
-        return generations_from_tokens(st.out_tokens[:batch], st.out_logprobs[:batch], self.eos_ids)
+            self._decode(st, batch, max_new, start_column, params, sample, report)
 
     def _prefill(self, prompts: list[list[int]], n: int, longest: int, st: _DecodeState) -> torch.Tensor:
         """Fills the cache rows and attention bias of every sample; returns the prompts' last logits (P, V)."""
@@ -165,7 +177,9 @@ class TorchRollout:
 
     # --- decode loop --------------------------------------------------------------------------------
     def _decode(self, st: _DecodeState, batch: int, max_new: int, longest: int, params: SamplingParams,
-                sample) -> None:
+                sample, report=None) -> None:
+        """``report(sequences)``, when given, hears at every host check which sequences have ended since
+        the last (a multi-turn rollout starts their tool calls while the others decode)."""
         columns = st.attn_bias.shape[1]
         # Plain temperature sampling and greedy run fused in one Triton kernel; top-k/top-p sort in PyTorch.
         fused_sampling = kernels.triton_enabled(st.cache) and params.top_k <= 0 and params.top_p >= 1.0
@@ -190,8 +204,15 @@ class TorchRollout:
                 kernels.record_ref(*sample(logits), **state)
             st.column += 1
 
+        reported: set[int] = set()
         for t in range(max_new - 1):  # t: index of the response token fed in (its successor is produced)
             if t % check_every == 0:
+                if report is not None:
+                    ended = st.sequence[:active][st.finished[:active]].tolist()
+                    fresh = sorted(set(ended) - reported - {batch})
+                    if fresh:
+                        reported.update(fresh)
+                        report(fresh)
                 running = int((~st.finished[:active]).sum())
                 if running == 0:
                     break
@@ -224,13 +245,157 @@ class TorchRollout:
 
     def _compact(self, st: _DecodeState, active: int, target: int, batch: int) -> None:
         """Moves the running slots among the first ``active`` to the front; slots up to ``target`` after
-        them become finished filler that writes to the scratch output row."""
+        them become finished filler that writes to the scratch output row. With ``st.owner`` (multi-turn)
+        the finished sequences' caches are kept: the slots are permuted, not overwritten."""
         running = torch.nonzero(~st.finished[:active]).squeeze(1)
         m = running.numel()
-        st.cache[:, :, :m] = st.cache[:, :, running]
-        for buffer in (st.attn_bias, st.tokens, st.positions, st.sequence):
-            buffer[:m] = buffer[running]
+        if st.owner is not None:
+            order = torch.cat([running, torch.nonzero(st.finished[:active]).squeeze(1)])
+            st.cache[:, :, :active] = st.cache[:, :, order]
+            for buffer in (st.attn_bias, st.tokens, st.positions, st.sequence, st.owner):
+                buffer[:active] = buffer[order]
+        else:
+            st.cache[:, :, :m] = st.cache[:, :, running]
+            for buffer in (st.attn_bias, st.tokens, st.positions, st.sequence):
+                buffer[:m] = buffer[running]
         st.finished[:m] = False
         st.finished[m:target] = True
         st.sequence[m:target] = batch
         self.stats["compactions"] += 1
+
+
+class TorchTurns:
+    """Multi-turn rollouts on the torch decoder (``kfrl.agent.loop.TurnEngine``): a conversation's K/V
+    stay in the cache between turns, so a turn after a tool answer computes only the new tokens (the
+    previous turn's last token and the answer, ``Decoder.extend``) instead of the whole conversation.
+
+    Layout: every conversation of a batch writes a turn's token t at the same column (as in one
+    call); the columns a sequence did not fill (its turn ended early, or its tool answer is shorter
+    than another's) are masked in its attention bias, and positions count only its real tokens, so the
+    gaps change nothing. Each turn gathers the continuing conversations' cache rows into a batch of
+    their own, wide enough for the answer and the longest budget. Prompts are taken
+    ``micro_batch_size`` at a time, each chunk a conversation batch of its own.
+    """
+
+    def __init__(self, engine: TorchRollout):
+        self.engine = engine
+        self.chunks: list[_TurnChunk] = []
+
+    def first(self, prompts, params, seed, on_turn) -> None:
+        step = self.engine.micro_batch_size or len(prompts)
+        self.engine.stats = {"graphs_captured": 0, "compactions": 0, "decode_steps": 0, "extend_tokens": 0}
+        for start in range(0, len(prompts), step):
+            if seed is not None:
+                torch.manual_seed(seed + start)
+            chunk = _TurnChunk(self.engine, start * params.n)
+            chunk.first(prompts[start:start + step], params, on_turn)
+            self.chunks.append(chunk)
+
+    def next(self, rows, appended, budgets, params, seed, on_turn) -> None:
+        if seed is not None:
+            torch.manual_seed(seed)
+        for chunk in self.chunks:
+            mine = [i for i, row in enumerate(rows) if chunk.offset <= row < chunk.offset + chunk.size]
+            if mine:
+                chunk.next([rows[i] for i in mine], [appended[i] for i in mine], [budgets[i] for i in mine],
+                           params, on_turn)
+
+
+class _TurnChunk:
+    """The conversations of one prompt chunk: their cache between turns and where each one stands."""
+
+    def __init__(self, engine: TorchRollout, offset: int):
+        self.engine, self.offset = engine, offset
+        self.size = 0
+        self.state: _DecodeState | None = None
+        self.turn_rows: list[int] = []       # the local rows of the last turn, in its sequence order
+        self.end_column = 0                  # the first column no sequence has written
+        self.cached: dict[int, int] = {}     # local row -> tokens whose K/V are in the cache (= next position)
+        self.last_token: dict[int, int] = {}  # local row -> its last turn's final token (fed with the next turn)
+        self.turn_length: dict[int, int] = {}
+
+    def first(self, prompts, params, on_turn) -> None:
+        engine, dec = self.engine, self.engine.decoder
+        spec, device, n = dec.spec, dec.device, params.n
+        batch, longest, max_new = len(prompts) * n, max(len(p) for p in prompts), params.max_new_tokens
+        self.size = batch
+        columns = longest + max(max_new - 1, 1)
+        dec.rope_tables(longest + max_new)
+        st = self._state(torch.zeros((spec.n_layers, 2, batch, spec.n_kv_heads, columns, spec.head_dim),
+                                     dtype=dec.dtype, device=device),
+                         torch.full((batch, columns), float("-inf"), dtype=dec.dtype, device=device),
+                         torch.tensor([len(p) for p in prompts], device=device).repeat_interleave(n), longest, max_new)
+        first_logits = engine._prefill(prompts, n, longest, st)
+        self.cached = {row: len(prompts[row // n]) for row in range(batch)}
+        self._turn(st, list(range(batch)), first_logits.repeat_interleave(n, dim=0), longest, max_new,
+                   [max_new] * batch, params, on_turn)
+
+    def next(self, rows, appended, budgets, params, on_turn) -> None:
+        engine, dec, previous = self.engine, self.engine.decoder, self.state
+        local = [row - self.offset for row in rows]
+        feeds = [[self.last_token[r]] + list(ids) for r, ids in zip(local, appended)]
+        width, max_new = max(len(f) for f in feeds), max(budgets)
+        start = self.end_column
+        columns = start + width + max(max_new - 1, 1)
+        slot_of = {row: slot for slot, row in enumerate(self._rows_by_slot())}
+        slots = torch.tensor([slot_of[r] for r in local], device=dec.device)
+        old_columns = previous.attn_bias.shape[1]
+        cache = torch.zeros((*previous.cache.shape[:2], len(local), *previous.cache.shape[3:4], columns,
+                             previous.cache.shape[-1]), dtype=dec.dtype, device=dec.device)
+        cache[:, :, :, :, :old_columns] = previous.cache[:, :, slots]
+        bias = torch.full((len(local), columns), float("-inf"), dtype=dec.dtype, device=dec.device)
+        bias[:, :old_columns] = previous.attn_bias[slots]
+        self.state = None
+        del previous
+        ids, valid = left_pad(feeds, engine.pad_id, dec.device, width=width)
+        valid = valid.bool()
+        base = torch.tensor([self.cached[r] for r in local], device=dec.device)
+        positions = (base[:, None] + valid.long().cumsum(-1) - 1).clamp(min=0)
+        bias[:, start:start + width] = torch.where(valid, 0.0, float("-inf")).to(dec.dtype)
+        dec.rope_tables(int(positions.max()) + max_new + 1)
+        logits = dec.extend(ids, valid, positions, cache, start, bias)
+        engine.stats["extend_tokens"] = engine.stats.get("extend_tokens", 0) + sum(len(f) for f in feeds)
+        for r, feed in zip(local, feeds):
+            self.cached[r] += len(feed)
+        st = self._state(cache, bias, torch.tensor([self.cached[r] for r in local], device=dec.device),
+                         start + width, max_new)
+        self._turn(st, local, logits, start + width, max_new, budgets, params, on_turn)
+
+    def _state(self, cache, bias, positions, column: int, max_new: int) -> _DecodeState:
+        batch, device = cache.shape[2], cache.device
+        return _DecodeState(
+            cache=cache, attn_bias=bias, tokens=torch.empty(batch, dtype=torch.long, device=device),
+            positions=positions, finished=torch.zeros(batch, dtype=torch.bool, device=device),
+            sequence=torch.arange(batch, device=device), column=torch.tensor([column], device=device),
+            out_tokens=torch.full((batch + 1, max_new), self.engine.pad_id, dtype=torch.long, device=device),
+            out_logprobs=torch.zeros((batch + 1, max_new), dtype=torch.float32, device=device),
+            owner=torch.arange(batch, device=device))
+
+    def _turn(self, st, local_rows, first_logits, start_column, max_new, budgets, params, on_turn) -> None:
+        from kfrl.agent.loop import within_budget
+
+        engine = self.engine
+        done: set[int] = set()
+
+        def report(sequences: list[int]) -> None:
+            generations = generations_from_tokens(st.out_tokens[sequences], st.out_logprobs[sequences], engine.eos_ids)
+            for sequence, generation in zip(sequences, generations):
+                done.add(sequence)
+                row = local_rows[sequence]
+                self.turn_length[row] = len(generation.response_ids)
+                self.last_token[row] = generation.response_ids[-1]
+                self.cached[row] += len(generation.response_ids) - 1
+                on_turn(self.offset + row, within_budget(generation, budgets[sequence]))
+
+        engine._run_turn(st, len(local_rows), first_logits, max_new, start_column, params, report)
+        report([s for s in range(len(local_rows)) if s not in done])
+        self.state, self.turn_rows = st, local_rows
+        self.end_column = int(st.column.item())
+        # A sequence that ended keeps running as filler until compaction drops it: the columns after its
+        # last fed token hold K/V of padding, hidden here so no later turn attends to them.
+        for slot, row in enumerate(self._rows_by_slot()):
+            st.attn_bias[slot, start_column + self.turn_length[row] - 1:] = float("-inf")
+
+    def _rows_by_slot(self) -> list[int]:
+        """The local row each cache slot of the last turn holds (compaction permutes the slots)."""
+        return [self.turn_rows[i] for i in self.state.owner.tolist()]
