@@ -28,6 +28,7 @@ def forget_process_state() -> None:
     update._RESIDENT_TRAINERS.clear()
     context._MODEL_CACHE.clear()
     context._MODEL_SLOTS.clear()
+    context._TOKENIZER_CACHE.clear()
 
 
 def demo_config(root: Path, *overrides):

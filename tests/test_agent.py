@@ -406,3 +406,32 @@ def test_torch_turns_continue_from_the_kv_cache_as_a_full_forward_would(tools_mo
         answer = tokenizer.decode(c.response_ids)
         if c.user_turns and c.finish_reason == "stop":
             assert answer.endswith("<|im_end|>") and "</tool_response>" in answer
+
+
+def test_gsm8k_tool_rows_give_each_sample_an_answer_checker_with_its_ground_truth(tmp_path, tokenizer):
+    """`kfrl data gsm8k --tools` writes veRL's multi-turn rows; with configs/tools/gsm8k_tool_config.yaml
+    (veRL's class path) each conversation's calc_gsm8k_reward instance scores against its own row."""
+    import pyarrow.parquet as pq
+
+    from kfrl.agent.loop import tools_kwargs_of, wants_tools
+    from kfrl.data.gsm8k import prepare_gsm8k
+
+    written = prepare_gsm8k("tests/fixtures/gsm8k/jsonl", tmp_path, tools=True)
+    rows = pq.read_table(written["test"].path).to_pylist()
+    assert rows[0]["agent_name"] == "tool_agent" and wants_tools(rows[0])
+    assert rows[0]["prompt"][0]["role"] == "system" and "calc_gsm8k_reward" in rows[0]["prompt"][0]["content"]
+    truths = [r["reward_model"]["ground_truth"] for r in rows[:2]]
+    assert truths[0] != truths[1]
+    kwargs = [tools_kwargs_of(r) for r in rows[:2]]
+    assert [k["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"] for k in kwargs] == truths
+
+    pool = ToolPool(load_tool_specs(MultiTurnConfig(enable=True, tool_config_path="configs/tools/gsm8k_tool_config.yaml")),
+                    workers=1, timeout_s=10)
+    try:
+        # Both samples submit the first row's answer: right for the first, wrong for the second.
+        results = [pool.submit("calc_gsm8k_reward", f"row{i}", {"answer": truths[0]},
+                               kwargs[i]["calc_gsm8k_reward"]["create_kwargs"]).result() for i in range(2)]
+    finally:
+        pool.close()
+    assert "reward=1.0" in results[0].text and (results[0].reward, results[1].reward) == (0.0, -0.05)
+    assert "reward=1.0" not in results[1].text

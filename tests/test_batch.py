@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kfrl.batch import (
+    OPTIONAL_COLUMNS,
     GROUPS,
     PER_TOKEN_COLUMNS,
     BatchError,
@@ -56,13 +57,18 @@ def test_groups_use_contract_types():
             assert pa.types.is_list(schema.field(name).type)
 
 
+# The rollout group without the multi-turn columns (num_turns, turn_offsets), which only a
+# multi-turn rollout writes.
+SINGLE_TURN_ROLLOUT = pa.schema([f for f in GROUPS["rollout"] if f.name not in OPTIONAL_COLUMNS["rollout"]])
+
+
 def test_make_table_accepts_numpy_and_torch():
     columns = rollout_columns()
     columns["iteration"] = np.zeros(3, dtype=np.int32)
     columns["response_ids"] = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])]
     columns["rollout_logprobs"] = [np.full(n, -1.0, dtype=np.float64) for n in (3, 1, 2)]
     table = make_table("rollout", columns)
-    assert table.schema == GROUPS["rollout"]
+    assert table.schema == SINGLE_TURN_ROLLOUT
     assert table.column("response_ids").to_pylist() == [[5, 6, 7], [8], [9, 10]]
     assert table.column("rollout_logprobs").to_pylist()[1] == [-1.0]
 
@@ -118,7 +124,7 @@ def test_join_keeps_rollout_order_and_checks_lengths():
     joined = join({"score": scores, "values": values, "rollout": rollout})
     assert joined.column("sample_id").to_pylist() == ["s0", "s1", "s2"]
     assert joined.column("score").to_pylist() == [0.0, 1.0, 2.0]
-    assert joined.column_names[:len(GROUPS["rollout"].names)] == GROUPS["rollout"].names
+    assert joined.column_names[:len(SINGLE_TURN_ROLLOUT.names)] == SINGLE_TURN_ROLLOUT.names
 
     bad_values = make_table("values", {"sample_id": ["s0", "s1", "s2"],
                                        "values": [[0.0, 0.0, 0.0], [0.1, 0.1], [0.2, 0.2]]})
@@ -143,7 +149,7 @@ def test_write_and_read_group_through_store(tmp_path):
                 name="part-00001.parquet")
     manifest = attempt.commit()
     table = read_group(store, manifest, "rollout")
-    assert table.schema == GROUPS["rollout"]
+    assert table.schema == SINGLE_TURN_ROLLOUT
     assert table.column("sample_id").to_pylist() == ["a", "b", "c"]
 
     with pytest.raises(BatchError, match="'old_logprobs' is missing") as err:

@@ -307,9 +307,12 @@ def test_tracking_credentials_never_reach_the_store_or_mlflow_params(tmp_path, m
 # --- 9. caches hold the current checkpoints only -----------------------------------------------------
 
 def test_local_store_checkpoints_are_read_in_place_and_models_do_not_pile_up(tmp_path):
+    from run_tables import forget_process_state
+
     from kfrl.stages import context
     from kfrl.stages.context import StageContext
 
+    forget_process_state()  # what earlier tests in this process loaded does not count
     summary = train(tiny_config(tmp_path, "trainer.test_freq=1", "data.val_files=builtin:arith",
                                 "data.builtin_val_size=4"), run_id="c", iterations=3)
     ctx = StageContext.open(summary.run_uri, 3)

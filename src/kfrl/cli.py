@@ -180,12 +180,14 @@ def data_gsm8k(
                                "(main/*.parquet), a folder of train/test .parquet or .jsonl, or one file"),
     output: Path = typer.Option(..., "--output", "-o", help="folder for train.parquet and test.parquet"),
     split: Optional[str] = typer.Option(None, "--split", help="only this split (train or test)"),
+    tools: bool = typer.Option(False, "--tools", help="the multi-turn rows of veRL's gsm8k_multiturn_w_tool.py "
+                               "(calc_gsm8k_reward tool; configs/tools/gsm8k_tool_config.yaml)"),
 ):
     """GSM8K as veRL's examples/data_preprocess/gsm8k.py writes it (same rows, same prompt text)."""
     from kfrl.data.gsm8k import GSM8KError, prepare_gsm8k
 
     try:
-        results = prepare_gsm8k(input, output, split=split)
+        results = prepare_gsm8k(input, output, split=split, tools=tools)
     except (FileNotFoundError, GSM8KError) as err:
         _fail(str(err), code=1)
     for name, result in results.items():

@@ -55,6 +55,25 @@ SCHEMA = pa.schema([
     ])),
 ])
 
+# The multi-turn variant (veRL's examples/data_preprocess/gsm8k_multiturn_w_tool.py layout): a system turn
+# asking for the answer checker, the checker's per-sample state in extra_info.tools_kwargs, veRL's tool agent.
+TOOL_NAME = "calc_gsm8k_reward"
+TOOL_SYSTEM_PROMPT = ("Solve the math problem step by step. Before your final answer, submit it at least once "
+                      f"with the `{TOOL_NAME}` tool, and revise it if the tool says it is wrong. End with the "
+                      "final answer as `#### <answer>`.")
+_TOOLS_KWARGS = pa.struct([(TOOL_NAME, pa.struct([("create_kwargs", pa.struct([("ground_truth", pa.string())]))]))])
+TOOL_SCHEMA = pa.schema([
+    ("data_source", pa.string()),
+    ("agent_name", pa.string()),
+    ("prompt", pa.list_(_MESSAGE)),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    ("extra_info", pa.struct([
+        ("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string()),
+        ("need_tools_kwargs", pa.bool_()), ("tools_kwargs", _TOOLS_KWARGS),
+    ])),
+])
+
 
 class GSM8KError(ValueError):
     """Input a user can fix: the message names the file (and row) and what was expected."""
@@ -209,12 +228,23 @@ def read_examples(files: Iterable[Path]) -> Iterator[_Example]:
         yield from (_read_jsonl(file) if file.suffix == ".jsonl" else _read_parquet(file))
 
 
-def build_rows(examples: Iterable[_Example], split: str) -> list[dict]:
+def make_tool_row(question: str, answer: str, split: str, index: int) -> dict:
+    """One row of the multi-turn tool task: ``make_row``'s, plus a system turn, veRL's ``agent_name``
+    and the answer checker's ``create_kwargs`` (the ground truth it scores submissions against)."""
+    row = make_row(question, answer, split, index)
+    ground_truth = row["reward_model"]["ground_truth"]
+    return {**row, "agent_name": "tool_agent",
+            "prompt": [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, *row["prompt"]],
+            "extra_info": {**row["extra_info"], "need_tools_kwargs": True,
+                           "tools_kwargs": {TOOL_NAME: {"create_kwargs": {"ground_truth": ground_truth}}}}}
+
+
+def build_rows(examples: Iterable[_Example], split: str, *, tools: bool = False) -> list[dict]:
     """Output rows in input order; ``index`` counts rows across all files of the split."""
     rows = []
     for index, example in enumerate(examples):
         try:
-            rows.append(make_row(example.question, example.answer, split, index))
+            rows.append((make_tool_row if tools else make_row)(example.question, example.answer, split, index))
         except GSM8KError as err:
             raise GSM8KError(f"{example.file}: row {example.row}: {err}") from None
     return rows
@@ -235,15 +265,17 @@ def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
 
 
 def prepare_gsm8k(input_path: str | os.PathLike, output_dir: str | os.PathLike, *,
-                  splits: Sequence[str] = SPLITS, split: str | None = None) -> dict[str, PrepResult]:
-    """Write ``<output_dir>/<split>.parquet`` for each split, exactly as veRL's gsm8k.py would.
+                  splits: Sequence[str] = SPLITS, split: str | None = None, tools: bool = False) -> dict[str, PrepResult]:
+    """Write ``<output_dir>/<split>.parquet`` for each split, exactly as veRL's gsm8k.py would (with
+    ``tools``: the multi-turn rows of veRL's gsm8k_multiturn_w_tool.py, for configs/tools/gsm8k_tool_config.yaml).
 
     A directory input must hold every split in ``splits`` (``split``, when given, narrows that to
     one); a single-file input yields one split, named by ``split`` or by the file name. All splits are read and checked before any file is
     written, so a bad row leaves the output directory as it was. Re-running rewrites the same bytes.
     """
     files_by_split = resolve_input(input_path, splits, split)
-    tables = {name: pa.Table.from_pylist(build_rows(read_examples(files), name), schema=SCHEMA)
+    tables = {name: pa.Table.from_pylist(build_rows(read_examples(files), name, tools=tools),
+                                         schema=TOOL_SCHEMA if tools else SCHEMA)
               for name, files in files_by_split.items()}
     out = Path(output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
