@@ -181,6 +181,27 @@ def test_log_iteration_is_idempotent_and_keeps_slashes(tracker, tracking_uri, kf
     assert restarted.last_logged_iteration() == 2
 
 
+@pytest.mark.parametrize("width", [3, 1500], ids=["one_batch", "two_batches"])
+def test_an_iteration_whose_metrics_landed_without_the_progress_tag_is_not_recorded_twice(
+        tracker, tracking_uri, kfrl_run_id, client, width):
+    """MLflow's SQL store commits a batch's metrics and tags in separate transactions: a controller killed
+    between the two leaves iteration 1's metrics without the tag. The restarted one records the rest of
+    the iteration (here: the last batch) and the tag, never a metric twice."""
+    from mlflow.entities import Metric
+
+    metrics = {f"m/{i:04d}": float(i) for i in range(width)}
+    assert tracker.log_iteration(0, metrics)
+    landed = [Metric(key, value, 0, 1) for key, value in list(metrics.items())[:999 if width > 999 else width]]
+    client.log_batch(tracker.mlflow_run_id, metrics=landed, synchronous=True)  # the kill came before the tag
+    restarted = Tracker(tracking_uri, EXPERIMENT, kfrl_run_id)
+    assert restarted.last_logged_iteration() == 0
+    assert restarted.log_iteration(1, metrics)
+    for key in (next(iter(metrics)), list(metrics)[-1]):
+        assert sorted(m.step for m in client.get_metric_history(tracker.mlflow_run_id, key)) == [0, 1]
+    assert restarted.last_logged_iteration() == 1
+    assert restarted.log_iteration(2, metrics)  # later iterations log without looking
+
+
 def test_an_iteration_wider_than_one_batch(tracker, client):
     assert tracker.log_iteration(0, {f"layer/{i}/grad_norm": float(i) for i in range(1500)})
     run = client.get_run(tracker.mlflow_run_id)

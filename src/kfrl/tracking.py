@@ -372,6 +372,8 @@ class Tracker:
         if fresh:
             self._retire_runs()
         self.mlflow_run_id = self._find_or_create_run(run_name)
+        # The first iteration this process logs may have been half recorded by a killed one (below).
+        self._check_partial_record = True
 
     # --- run lifecycle -------------------------------------------------------------------------
 
@@ -527,12 +529,24 @@ class Tracker:
         # counts as recorded only once all of its metrics are in (one store transaction when
         # they fit a single batch). The client would put tags in the first batch, so we split.
         *leading_batches, last_batch = list(chunks(metric_list, MAX_METRICS_PER_BATCH - 1)) or [[]]
+        check, self._check_partial_record = self._check_partial_record, False
         for batch in leading_batches:
-            self.client.log_batch(self.mlflow_run_id, metrics=batch, synchronous=True)
+            if not (check and self._recorded(batch, iteration)):
+                self.client.log_batch(self.mlflow_run_id, metrics=batch, synchronous=True)
         progress_tag = RunTag(LAST_LOGGED_ITERATION_TAG, str(iteration))
+        if check and self._recorded(last_batch, iteration):
+            last_batch = []
         self.client.log_batch(self.mlflow_run_id, metrics=last_batch, tags=[progress_tag],
                               synchronous=True)
         return True
+
+    def _recorded(self, batch: list[Metric], iteration: int) -> bool:
+        """Whether ``batch`` is already in the run at this step. MLflow's SQL store commits a batch's
+        metrics and its tags in separate transactions, so a process killed between the two leaves the
+        metrics without the progress tag; logging them again would record the iteration twice. A
+        batch's metrics commit together, so its first one tells."""
+        return bool(batch) and any(m.step == iteration for m in
+                                   self.client.get_metric_history(self.mlflow_run_id, batch[0].key))
 
     @staticmethod
     def _finite_metrics(iteration: int, metrics: Mapping[str, float]) -> list[Metric]:

@@ -235,10 +235,15 @@ def encode_sft_examples(tokenizer: PreTrainedTokenizerFast, rows: Sequence[dict]
         sequences.append(prompt_ids + response_ids)
         # The prompt is masked: the model is trained only to write answers.
         label_rows.append([-100] * len(prompt_ids) + response_ids)
+    return sft_batch(sequences, label_rows, pad_id)
+
+
+def sft_batch(sequences: list[list[int]], label_rows: list[list[int]], pad_id: int) -> SftBatchTensors:
+    """Token sequences and their labels (-100 where not trained), right-padded to one length."""
     width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(sequences), width), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, (seq, lab) in enumerate(zip(sequences, label_rows)):
         input_ids[i, : len(seq)] = torch.tensor(seq)
         labels[i, : len(lab)] = torch.tensor(lab)
@@ -475,15 +480,7 @@ def encode_tool_sft_examples(tokenizer: PreTrainedTokenizerFast, rows: Sequence[
         else:
             sequences.append(prompt + answer)
             label_rows.append([-100] * len(prompt) + answer)
-    width = max(len(seq) for seq in sequences)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (seq, lab) in enumerate(zip(sequences, label_rows)):
-        input_ids[i, :len(seq)] = torch.tensor(seq)
-        labels[i, :len(lab)] = torch.tensor(lab)
-        attention_mask[i, :len(seq)] = 1
-    return SftBatchTensors(input_ids, attention_mask, position_ids_from_mask(attention_mask), labels)
+    return sft_batch(sequences, label_rows, pad_id)
 
 
 def _build_tool_builtin(recipe: BuiltinRecipe) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, dict]:
