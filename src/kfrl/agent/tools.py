@@ -366,8 +366,8 @@ class ToolPool:
             future.set_result(ToolResult(f"Error: the arguments of {name} must be a JSON object", False, 0.0,
                                          error="bad_arguments"))
             return future
-        return self._lane(instance_id).executor.submit(self._lane(instance_id).call, name, instance_id, arguments,
-                                                       dict(create_kwargs or {}))
+        lane = self._lane(instance_id)
+        return lane.executor.submit(lane.call, name, instance_id, arguments, dict(create_kwargs or {}))
 
     def release(self, instance_id: str) -> None:
         lane = self._lane(instance_id)
@@ -388,14 +388,13 @@ _POOLS: dict[str, ToolPool] = {}
 
 
 def tool_pool(multi_turn) -> ToolPool:
-    """The process's pool for these tool settings (kept across iterations: workers start once)."""
-    specs = load_tool_specs(multi_turn)
-    key = json.dumps([[s.as_json() for s in specs], multi_turn.tool_workers, multi_turn.tool_timeout_s, os.getcwd()])
+    """The process's pool for these tool settings (kept across iterations: workers start and user tool
+    files are imported once, not per rollout)."""
+    key = json.dumps([multi_turn.model_dump(mode="json"), os.getcwd()], sort_keys=True)
     if key not in _POOLS:
-        for stale in _POOLS.values():
-            stale.close()
-        _POOLS.clear()
-        _POOLS[key] = ToolPool(specs, workers=multi_turn.tool_workers, timeout_s=multi_turn.tool_timeout_s)
+        close_pools()
+        _POOLS[key] = ToolPool(load_tool_specs(multi_turn), workers=multi_turn.tool_workers,
+                               timeout_s=multi_turn.tool_timeout_s)
     return _POOLS[key]
 
 
