@@ -343,6 +343,35 @@ def test_the_tool_demo_learns_to_call_the_calculator_and_trains_on_its_own_token
     assert "\n[tool] " in shown[0]["conversation"] and shown[0]["conversation"].count("[assistant]") == 2
 
 
+def test_remax_greedy_baselines_are_whole_conversations_with_tools(tmp_path):
+    """ReMax in a multi-turn run: the gen_max stage's greedy response goes through the agent loop and
+    its tools, as veRL's baseline goes through its agent loop. Once the greedy policy calls the
+    calculator, its conversations answer right: a baseline near 1, where a single-turn greedy
+    response (the tool call alone) would score 0."""
+    from kfrl.config import load_config
+    from kfrl.driver.controller import train
+    from kfrl.run import Run
+    from kfrl.stages import METRIC_ORDER
+    from kfrl.stages.context import StageContext
+
+    iterations = 8
+    config = load_config("configs/demo_tools.yaml", [
+        f"store.uri={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path}/m.db", "pipeline.runner=inline",
+        f"trainer.total_iterations={iterations}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.save_freq=-1", "algorithm.adv_estimator=remax"])
+    run = Run.at(train(config, run_id="remax-tools").run_uri)
+    metrics = [run.iteration_metrics(i, METRIC_ORDER) for i in range(1, iterations + 1)]
+    assert metrics[0]["gen_max/tool_calls/per_sample"] < 0.5  # the warm start answers greedily in its head
+    calling = [m for m in metrics if m["gen_max/tool_calls/per_sample"] >= 0.5]
+    assert calling, [m["gen_max/tool_calls/per_sample"] for m in metrics]
+    assert all(m["gen_max/num_turns/mean"] > 3 and m["critic/reward_baselines/mean"] >= 0.5 for m in calling), \
+        [(m["gen_max/num_turns/mean"], m["critic/reward_baselines/mean"]) for m in calling]
+    table = StageContext.open(run.uri, iterations).read_groups("rollout", "gen_max")
+    assert set(table.column("agent_name").to_pylist()) == {"tool_agent"}
+    baselines, uids = table.column("reward_baselines").to_pylist(), table.column("uid").to_pylist()
+    assert all(b == baselines[uids.index(u)] for b, u in zip(baselines, uids))  # one baseline per prompt group
+
+
 @pytest.fixture(scope="module")
 def tools_model():
     from kfrl.models.hf_io import load_causal_lm, load_tokenizer

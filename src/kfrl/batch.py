@@ -45,10 +45,12 @@ GROUPS: dict[str, pa.Schema] = {
         ("ground_truth", pa.string()),
         ("extra_info", pa.string()),
         ("raw_prompt", pa.string()),  # the prompt's chat messages (JSON), for reward models and functions
-        # Multi-turn rollouts only (rollout.multi_turn.enable): veRL's turn count, and where each turn
-        # (assistant, tool, assistant, ...) starts in the response.
+        # Multi-turn rollouts only (rollout.multi_turn.enable): veRL's turn count, where each turn
+        # (assistant, tool, assistant, ...) starts in the response, and the row's agent (veRL's
+        # agent_name: tool_agent or single_turn_agent), which ReMax's greedy baseline runs again.
         ("num_turns", pa.int64()),
         ("turn_offsets", _TOKENS),
+        ("agent_name", pa.string()),
     ),
     "score": _schema(
         ("score", pa.float32()),
@@ -87,7 +89,7 @@ PER_TOKEN_COLUMNS: set[str] = {
 # Columns of a group that a stage writes only when the configuration asks for them: a table of the
 # group either has the column (with the group's type) or lacks it; nothing else may be missing.
 OPTIONAL_COLUMNS: dict[str, frozenset[str]] = {"old_logprob": frozenset({"sum_pi_squared"}),
-                                               "rollout": frozenset({"num_turns", "turn_offsets"})}
+                                               "rollout": frozenset({"num_turns", "turn_offsets", "agent_name"})}
 
 FINISH_REASONS = ("stop", "length")
 

@@ -226,10 +226,14 @@ def turn_engine(engine) -> TurnEngine:
     return turns() if callable(turns) else ResubmitTurns(engine)
 
 
-def wants_tools(record: dict) -> bool:
+def agent_name_of(record: dict) -> str:
     """veRL's agent_name column: "single_turn_agent" rows answer in one turn; other rows (and rows
     without the column) run the tool agent."""
-    return str(record.get("agent_name") or "tool_agent") != "single_turn_agent"
+    return str(record.get("agent_name") or "tool_agent")
+
+
+def wants_tools(record: dict) -> bool:
+    return agent_name_of(record) != "single_turn_agent"
 
 
 def tools_kwargs_of(record: dict) -> dict:

@@ -93,6 +93,7 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
     pool = None
     agent_metrics: list[dict[str, float]] = []
     if multi_turn:
+        from kfrl.agent.loop import agent_name_of
         from kfrl.agent.tools import tool_pool
 
         pool = tool_pool(cfg.rollout.multi_turn)
@@ -143,9 +144,8 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
                 "may be too hard or too easy for the policy; raise max_num_gen_batches (0 = no limit), "
                 "data.gen_batch_size or rollout.n")
 
-    turn_columns = {"num_turns", "turn_offsets"}
     columns: dict[str, list] = {name: [] for name in batch.GROUPS["rollout"].names
-                                if multi_turn or name not in turn_columns}
+                                if multi_turn or name not in batch.OPTIONAL_COLUMNS["rollout"]}
     for gen, g in kept:
         record, prompt_ids, uid = gen.records[g], gen.prompts[g], gen.uids[g]
         for k in range(n):
@@ -167,6 +167,7 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
             if multi_turn:
                 columns["num_turns"].append(generation.num_turns)
                 columns["turn_offsets"].append(generation.turn_offsets)
+                columns["agent_name"].append(agent_name_of(record))
     attempt.info["data_batch_end"] = start + n_gen_batches - 1
     attempt.info["rollout_backend"] = engine.name
 
@@ -219,7 +220,9 @@ def _filter(ctx: StageContext, gen: GenBatch, rewards) -> list[int]:
 
 def gen_max(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     """Stage ``gen_max`` (ReMax): a greedy response to each prompt of the rollout, scored with the
-    same reward; its score is the baseline of every sampled response to that prompt."""
+    same reward; its score is the baseline of every sampled response to that prompt. In a multi-turn
+    run the greedy response is a whole conversation, through the same agent loop and tools (veRL's
+    baseline goes through its agent loop too)."""
     from kfrl.engines.rollout import SamplingParams
 
     cfg = ctx.config
@@ -230,16 +233,31 @@ def gen_max(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     rows = list(first_of_group.values())
     policy = ctx.policy_manifest(ctx.iteration - 1)
     tokenizer = ctx.load_tokenizer(policy)
-    prompts = [table.column("prompt_ids")[r].as_py() for r in rows]
-    params = SamplingParams(n=1, do_sample=False, max_new_tokens=cfg.data.max_response_length)
-    greedy = rollout_engine(ctx, policy).generate_responses(prompts, params)
-    responses = [g.response_ids for g in greedy]
 
     def column(name: str) -> list:
         return [table.column(name)[r].as_py() for r in rows]
+
+    prompts = column("prompt_ids")
+    params = SamplingParams(n=1, do_sample=False, max_new_tokens=cfg.data.max_response_length)
+    engine = rollout_engine(ctx, policy)
+    metrics: dict[str, float] = {}
+    if cfg.rollout.multi_turn.enable:
+        from kfrl.agent.loop import agent_generate
+        from kfrl.agent.tools import tool_pool
+
+        agents = column("agent_name") if "agent_name" in table.column_names else [None] * len(rows)
+        records = [{"agent_name": agent, "extra_info": extra} for agent, extra in zip(agents, column("extra_info"))]
+        greedy, agent_metrics = agent_generate(
+            engine, prompts, params, config=cfg, tokenizer=tokenizer, pool=tool_pool(cfg.rollout.multi_turn),
+            records=records, sample_ids=[f"{uid}-greedy" for uid in first_of_group])
+        metrics["gen_max/num_turns/mean"] = agent_metrics["num_turns/mean"]
+        metrics["gen_max/tool_calls/per_sample"] = agent_metrics["tool_calls/per_sample"]
+    else:
+        greedy = engine.generate_responses(prompts, params)
+    responses = [g.response_ids for g in greedy]
 
     scored = ctx.rewards(tokenizer).score(responses, column("data_source"), column("ground_truth"),
                                           column("extra_info"), column("raw_prompt"))
     baseline = {uid: s.score for uid, s in zip(first_of_group, scored)}
     columns = {"sample_id": table.column("sample_id").to_pylist(), "reward_baselines": [baseline[u] for u in uids]}
-    return columns, {"critic/reward_baselines/mean": float(np.mean(list(baseline.values())))}
+    return columns, {"critic/reward_baselines/mean": float(np.mean(list(baseline.values()))), **metrics}
