@@ -372,6 +372,33 @@ def test_remax_greedy_baselines_are_whole_conversations_with_tools(tmp_path):
     assert all(b == baselines[uids.index(u)] for b, u in zip(baselines, uids))  # one baseline per prompt group
 
 
+def test_reward_functions_see_each_conversations_turn_count_as_verl_passes_it(tmp_path):
+    """veRL's reward managers put the conversation's turn count in extra_info["num_turns"]: a custom
+    reward function reading it works unchanged, in training scores and in validation."""
+    from kfrl.config import load_config
+    from kfrl.driver.controller import train
+    from kfrl.run import Run
+    from kfrl.stages import METRIC_ORDER
+
+    reward_file = tmp_path / "turns_reward.py"
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 0.0, 'turns': extra_info['num_turns']}\n")
+    config = load_config("configs/demo_tools.yaml", [
+        f"store.uri={tmp_path / 'store'}", f"tracking.uri=sqlite:///{tmp_path}/m.db", "pipeline.runner=inline",
+        "trainer.total_iterations=1", "trainer.test_freq=1", "trainer.save_freq=-1", "data.builtin_val_size=16",
+        "data.train_batch_size=16", f"reward.custom_function_path={reward_file}"])
+    run = Run.at(train(config, run_id="turns").run_uri)
+    metrics = run.iteration_metrics(1, METRIC_ORDER)
+    assert metrics["num_turns/max"] == 4  # some conversations called the tool
+    assert metrics["reward_extra/turns/mean"] == pytest.approx(metrics["num_turns/mean"])
+    assert metrics["tool_call_counts/mean"] == pytest.approx(metrics["tool_calls/per_sample"])
+    assert metrics["tool_call_counts/max"] >= 1 and metrics["tool_call_counts/min"] == 0
+    validation = run.iteration_metrics(1, METRIC_ORDER)
+    turns = [v for k, v in validation.items() if k.startswith("val-aux/") and "/turns/" in k]
+    assert turns and turns[0] == pytest.approx(validation["val-aux/num_turns/mean"]), turns
+
+
 @pytest.fixture(scope="module")
 def tools_model():
     from kfrl.models.hf_io import load_causal_lm, load_tokenizer

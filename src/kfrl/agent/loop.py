@@ -190,11 +190,19 @@ def run_conversations(turns: TurnEngine, prompts: list[list[int]], params: Sampl
     return conversations
 
 
+def num_turns_of(generations: list) -> list[int] | None:
+    """Each conversation's turn count (veRL's), or None for single-turn generations."""
+    if not generations or not isinstance(generations[0], Conversation):
+        return None
+    return [c.num_turns for c in generations]
+
+
 def conversation_metrics(conversations: list[Conversation], seconds: float) -> dict[str, float]:
-    """veRL's num_turns/* plus kfrl's tool counters for one rollout."""
+    """veRL's num_turns/* and tool_call_counts/* plus kfrl's tool counters for one rollout."""
     import numpy as np
 
     turns = np.array([c.num_turns for c in conversations], dtype=np.float64)
+    counts = np.array([c.tool_calls for c in conversations], dtype=np.float64)
     latencies = [s for c in conversations for s in c.tool_seconds]
     calls = sum(c.tool_calls for c in conversations)
     errors = sum(c.tool_errors for c in conversations)
@@ -202,6 +210,8 @@ def conversation_metrics(conversations: list[Conversation], seconds: float) -> d
     inserted = sum(len(c.response_mask) - sum(c.response_mask) for c in conversations)
     metrics = {
         "num_turns/min": float(turns.min()), "num_turns/max": float(turns.max()), "num_turns/mean": float(turns.mean()),
+        "tool_call_counts/min": float(counts.min()), "tool_call_counts/max": float(counts.max()),
+        "tool_call_counts/mean": float(counts.mean()),
         "tool_calls/total": float(calls),
         "tool_calls/per_sample": calls / len(conversations),
         "tool_calls/sample_rate": sum(c.tool_calls > 0 for c in conversations) / len(conversations),

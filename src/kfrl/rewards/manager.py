@@ -75,10 +75,11 @@ def score_responses(texts: list[str], data_sources: list[str], ground_truths: li
                     max_response_length: int, overlong_buffer=None, reward_fn: RewardFn | None = None,
                     raw_prompts: list[str | list] | None = None,
                     model_scores: list[float] | None = None, sample_ids: list | None = None,
-                    model_name: str = "the reward model") -> list[ScoredResponse]:
+                    num_turns: list[int] | None = None, model_name: str = "the reward model") -> list[ScoredResponse]:
     """Score each decoded response: with ``model_scores`` (a reward model's) when given, else with
     ``reward_fn`` (default: the scorer registered for its data_source). ``raw_prompts`` (chat
-    messages) reach the reward function as ``extra_info["raw_prompt"]``.
+    messages) reach the reward function as ``extra_info["raw_prompt"]``; in multi-turn runs each
+    conversation's turn count reaches it as ``extra_info["num_turns"]``, as veRL's reward managers pass it.
 
     A reward function that raises or returns anything but a finite number (or a dict whose "score"
     is one) stops scoring with a RewardError naming the function, the sample and the value: a NaN
@@ -94,6 +95,8 @@ def score_responses(texts: list[str], data_sources: list[str], ground_truths: li
         if raw_prompts is not None:
             messages = raw_prompts[i]
             info = {**(info or {}), "raw_prompt": json.loads(messages) if isinstance(messages, str) else messages}
+        if num_turns is not None:
+            info = {**(info or {}), "num_turns": num_turns[i]}
         sample = f"sample {sample_ids[i]!r}" if sample_ids is not None else f"response {i}"
         who = model_name if model_scores is not None else reward_function_name(reward_fn, source)
         try:
@@ -130,9 +133,10 @@ class Rewards:
         self.reward_fn = rule_reward_fn(config.reward.custom_function_path, config.reward.custom_function_name)
 
     def score(self, response_ids: list[list[int]], data_sources: list[str], ground_truths: list[str],
-              extra_infos: list, raw_prompts: list[str], sample_ids: list | None = None) -> list[ScoredResponse]:
+              extra_infos: list, raw_prompts: list[str], sample_ids: list | None = None,
+              num_turns: list[int] | None = None) -> list[ScoredResponse]:
         """One ScoredResponse per response; ``raw_prompts`` are the prompts' chat messages as JSON;
-        ``sample_ids`` name the samples in errors."""
+        ``sample_ids`` name the samples in errors; ``num_turns``: each conversation's, multi-turn runs."""
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         model_scores = None
         if self.reward_model is not None:
@@ -147,4 +151,4 @@ class Rewards:
             texts, data_sources, ground_truths, extra_infos, [len(r) for r in response_ids],
             max_response_length=self.max_response_length, overlong_buffer=self.reward.overlong_buffer,
             reward_fn=self.reward_fn, raw_prompts=raw_prompts if self.pass_raw_prompt else None,
-            model_scores=model_scores, sample_ids=sample_ids, model_name=f"reward model {self.reward.model_path}")
+            model_scores=model_scores, sample_ids=sample_ids, num_turns=num_turns, model_name=f"reward model {self.reward.model_path}")

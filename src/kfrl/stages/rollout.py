@@ -206,6 +206,7 @@ def kept_conversation_metrics(conversations, per_batch: list[dict[str, float]]) 
 
 def _filter(ctx: StageContext, gen: GenBatch, rewards) -> list[int]:
     """DAPO's group filter over one generation batch: the prompt indices to keep."""
+    from kfrl.agent.loop import num_turns_of
     from kfrl.algos.shaping import kept_groups
 
     cfg = ctx.config
@@ -214,7 +215,8 @@ def _filter(ctx: StageContext, gen: GenBatch, rewards) -> list[int]:
     scored = rewards.score(
         [g.response_ids for g in gen.generations], [str(r.get(cfg.data.reward_fn_key, "")) for r in records],
         [ground_truth_of(r) for r in records], [r.get("extra_info") for r in records],
-        [json.dumps(prompt_messages(r, cfg.data.prompt_key, "row"), default=str) for r in records])
+        [json.dumps(prompt_messages(r, cfg.data.prompt_key, "row"), default=str) for r in records],
+        num_turns=num_turns_of(gen.generations))
     return kept_groups(group_filter_values(cfg, scored), n)
 
 
@@ -223,6 +225,7 @@ def gen_max(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     same reward; its score is the baseline of every sampled response to that prompt. In a multi-turn
     run the greedy response is a whole conversation, through the same agent loop and tools (veRL's
     baseline goes through its agent loop too)."""
+    from kfrl.agent.loop import num_turns_of
     from kfrl.engines.rollout import SamplingParams
 
     cfg = ctx.config
@@ -257,7 +260,7 @@ def gen_max(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     responses = [g.response_ids for g in greedy]
 
     scored = ctx.rewards(tokenizer).score(responses, column("data_source"), column("ground_truth"),
-                                          column("extra_info"), column("raw_prompt"))
+                                          column("extra_info"), column("raw_prompt"), num_turns=num_turns_of(greedy))
     baseline = {uid: s.score for uid, s in zip(first_of_group, scored)}
     columns = {"sample_id": table.column("sample_id").to_pylist(), "reward_baselines": [baseline[u] for u in uids]}
     return columns, {"critic/reward_baselines/mean": float(np.mean(list(baseline.values()))), **metrics}

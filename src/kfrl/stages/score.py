@@ -24,7 +24,8 @@ def score(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]]:
     scored = ctx.rewards(tokenizer).score(
         table.column("response_ids").to_pylist(), table.column("data_source").to_pylist(),
         table.column("ground_truth").to_pylist(), table.column("extra_info").to_pylist(),
-        table.column("raw_prompt").to_pylist(), sample_ids=table.column("sample_id").to_pylist())
+        table.column("raw_prompt").to_pylist(), sample_ids=table.column("sample_id").to_pylist(),
+        num_turns=table.column("num_turns").to_pylist() if "num_turns" in table.column_names else None)
     columns = {"sample_id": table.column("sample_id").to_pylist(), "score": [s.score for s in scored],
                "acc": [s.acc for s in scored], "reward_extra": [json.dumps(s.extra, default=str) for s in scored]}
     scores = np.array([s.score for s in scored], dtype=np.float64)

@@ -66,6 +66,8 @@ def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]
     seed = ctx.seed("validate", iteration=0)
     sample_ids = [f"val-{i}-s{k}" for i in range(len(records)) for k in range(kw.n)]
     agent_metrics: dict[str, float] = {}
+    from kfrl.agent.loop import num_turns_of
+
     if pool is not None:  # the tool agent answers validation prompts too, as veRL's agent loop does
         from kfrl.agent.loop import agent_generate
 
@@ -79,7 +81,8 @@ def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]
     responses = [g.response_ids for g in generations]
     scored = ctx.rewards(tokenizer).score(responses, data_sources, truths,
                                           [records[i].get("extra_info") for i in expanded],
-                                          [json.dumps(messages[i], default=str) for i in expanded])
+                                          [json.dumps(messages[i], default=str) for i in expanded],
+                                          num_turns=num_turns_of(generations))
     columns = {
         "sample_id": sample_ids,
         "data_source": data_sources, "prompt_ids": [prompts[i] for i in expanded], "response_ids": responses,
