@@ -207,6 +207,44 @@ def test_a_trainer_state_written_by_two_processes_resumes_in_one_process(ppo_run
     assert_same_checkpoints(resumed["one"], resumed["many"], "update_critic", "critic_state", iteration=2)
 
 
+@pytest.mark.numerics
+def test_a_lora_iteration_on_two_processes_commits_the_adapters_one_process_commits(tmp_path):
+    """LoRA with trainer.n_gpus_per_node=2 (actor and critic adapters): every rank holds the frozen base
+    and the adapters, the adapters' gradients are summed over the ranks before each step (DDP), and
+    rank 0 commits what one process commits: the adapter folders, the adapter trainer states with their
+    AdamW moments, the same metrics. Same error model as the full update (``assert_same_checkpoints``:
+    only the sum of the actor's three micro-batch gradients is re-associated)."""
+    lora = ["model.lora_rank=4", "model.lora_alpha=8", "actor.lr=5e-3", "critic.lora_rank=4", "critic.lora_alpha=8",
+            "critic.lr=1e-3", "actor.use_kl_loss=true"]  # the reference: the base with the adapters off
+    forget_process_state()
+    with same_threads():
+        one = run_iteration(tmp_path / "one", 1, *PPO, *lora)
+    forget_process_state()
+    many = run_iteration(tmp_path / "two", 2, *PPO, *lora)
+    assert group(one, "rollout").column("response_ids").to_pylist() == \
+        group(many, "rollout").column("response_ids").to_pylist()
+    for role, stage, state in (("actor", "update_actor", "actor_state"), ("critic", "update_critic", "critic_state")):
+        m_one, m_many = one.manifest(stage, 1), many.manifest(stage, 1)
+        assert (m_many.info["world_size"], m_many.info["strategy"]) == (2, "ddp")
+        assert m_one.info["optimizer_steps"] == m_many.info["optimizer_steps"] == 2
+        assert m_one.metrics[f"{role}/grad_norm"] > 1e-3  # it learned: the comparison means something
+        for key, value in m_one.metrics.items():
+            if not key.startswith("timing_s/"):
+                assert m_many.metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        names = set(m_one.names())
+        assert "adapter_model.safetensors" in names and "model.safetensors" not in names
+        assert names == set(m_many.names())
+        a, b = committed_files(one, stage), committed_files(many, stage)
+        assert max_diff(load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")) <= 1e-4
+        a, b = committed_files(one, state), committed_files(many, state)
+        assert max_diff(load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")) <= 1e-4
+        opt_a, opt_b = torch.load(a / "optimizer.pt"), torch.load(b / "optimizer.pt")
+        assert opt_a["param_groups"] == opt_b["param_groups"] and sorted(opt_a["state"]) == sorted(opt_b["state"])
+        for index, moments in opt_a["state"].items():
+            assert torch.equal(moments["step"], opt_b["state"][index]["step"])
+            assert max_diff(moments, opt_b["state"][index]) <= 1e-6
+
+
 @torch.no_grad()
 def margins_and_logit_difference(one: Run, many: Run, rollout) -> tuple[list[float], float]:
     """Along ``rollout``'s responses (teacher-forced): the top-2 logit margins of one process's policy

@@ -122,8 +122,9 @@ def test_verl_memory_and_lora_keys_map_onto_kfrl():
     assert (cfg.actor.master_dtype, cfg.actor.optimizer) == ("bfloat16", "AdamW8bit")
     assert (cfg.critic.lora_rank, cfg.critic.master_dtype, cfg.critic.optimizer) == (8, "float32", "AdamW")
     assert any("optimizer_impl" in n for n in notices)
-    with pytest.raises(ValueError, match="LoRA trains on one process"):
-        load_config(None, ["model.lora_rank=8", "trainer.n_gpus_per_node=2"])
+    assert load_config(None, ["model.lora_rank=8", "trainer.n_gpus_per_node=2"]).model.lora_rank == 8
+    with pytest.raises(ValueError, match="actor.strategy=deepspeed"):
+        load_config(None, ["model.lora_rank=8", "trainer.n_gpus_per_node=2", "actor.strategy=deepspeed"])
     with pytest.raises(ValueError, match="actor.optimizer"):
         load_config(None, ["actor.optimizer=Lion"])
 

@@ -516,9 +516,10 @@ class Config(Section):
         if self.reward.name == "model" and not self.reward.model_path:
             raise ValueError("reward.name=model needs reward.model_path (a sequence-classification model directory)")
         lora_roles = [name for name, rank in (("model", self.model.lora_rank), ("critic", self.critic.lora_rank)) if rank]
-        if lora_roles and self.trainer.n_gpus_per_node * self.trainer.nnodes > 1:
-            raise ValueError(f"{lora_roles[0]}.lora_rank with trainer.n_gpus_per_node x trainer.nnodes > 1: LoRA "
-                             "trains on one process only so far; use one GPU (or lora_rank=0 for the sharded update)")
+        if lora_roles and self.trainer.n_gpus_per_node * self.trainer.nnodes > 1 and self.actor.strategy == "deepspeed":
+            raise ValueError(f"{lora_roles[0]}.lora_rank with actor.strategy=deepspeed: a LoRA update over several "
+                             "processes keeps the adapters replicated and sums their gradients (DDP), not ZeRO; use "
+                             "actor.strategy=fsdp2 (the full-weight update is then FSDP2, the LoRA update DDP)")
         if self.reward.overlong_buffer.enable and self.reward.overlong_buffer.len > self.data.max_response_length:
             raise ValueError(f"reward.overlong_buffer.len ({self.reward.overlong_buffer.len}) exceeds "
                              f"data.max_response_length ({self.data.max_response_length})")

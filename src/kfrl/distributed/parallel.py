@@ -101,6 +101,37 @@ class DataParallel:
         return grad_norm, stepped
 
 
+class ReplicatedParallel(DataParallel):
+    """Every rank holds the whole training copy (a LoRA copy: the frozen base and its adapters, small
+    enough to replicate): the trained parameters' gradients are summed over the ranks once per
+    mini-batch, before the clip and the step (DDP's all-reduce), so every rank takes the same step and
+    the copies stay equal. Nothing collective runs inside a pass, so no rank pads with
+    zero-weighted passes."""
+
+    def assignment(self, n_micro: int) -> tuple[list[int], int]:
+        return list(range(self.rank, n_micro, self.world_size)), 0
+
+    def clip_and_step(self, model, optimizer, grad_clip: float):
+        import torch
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        trained = [p for p in model.parameters() if p.requires_grad]
+        for param in trained:
+            if param.grad is None:  # a rank without a micro-batch in this mini-batch adds zeros
+                param.grad = torch.zeros_like(param)
+        by_dtype: dict = {}
+        for param in trained:
+            by_dtype.setdefault(param.grad.dtype, []).append(param)
+        for params in by_dtype.values():  # one collective per dtype, not one per adapter tensor
+            grads = [p.grad for p in params]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat)
+            for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(summed)
+        return super().clip_and_step(model, optimizer, grad_clip)
+
+
 class DeepSpeedParallel(DataParallel):
     """DeepSpeed ZeRO-2/3: the engine owns backward, the reduction and the step. DeepSpeed averages
     gradients over the ranks, so each loss is multiplied by the world size (a sum, as above); the

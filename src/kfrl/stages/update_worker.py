@@ -5,7 +5,9 @@ multi-node job (one pod per node running torchrun).
 
 Every rank loads the trainer state the single-process update would start from, shards it
 (``actor.strategy``: FSDP2, or DeepSpeed ZeRO-2/3), runs its share of the update (its micro-batches,
-``kfrl.distributed.parallel``), and takes part in gathering the full state. Rank 0 then commits what
+``kfrl.distributed.parallel``), and takes part in gathering the full state. A LoRA copy is not
+sharded: every rank holds the frozen base and the adapters, and the adapters' gradients are summed
+over the ranks before each step (DDP), so rank 0's copy is the whole result. Rank 0 then commits what
 the single-process stage commits: the weights (``iter-N/update_actor`` or ``update_critic``: HF layout
 in the inference dtype, tokenizer, MLmodel for the policy) with the same manifest info and metrics, and
 the trainer state (fp32 weights, a full ``optimizer.pt``, ``trainer_state.json``). The other ranks wait
@@ -66,7 +68,7 @@ def run_worker(run_uri: str, iteration: int, role_name: str, rank: int, world_si
     from kfrl.run import stage_prefix
     from kfrl.stages import SPECS
     from kfrl.stages.context import StageContext
-    from kfrl.stages.update import ROLES
+    from kfrl.stages.update import ROLES, role_lora
 
     started = time.perf_counter()
     if role_name not in ROLES:
@@ -89,9 +91,12 @@ def run_worker(run_uri: str, iteration: int, role_name: str, rank: int, world_si
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     try:
-        strategy = strategy_of(ctx.config)
+        strategy = "ddp" if role_lora(ctx, role) is not None else strategy_of(ctx.config)
         _log(rank, f"{role.stage} of iteration {iteration} on {world_size} processes ({strategy}, {backend})")
-        _run(ctx, role, spec, strategy, device, rank, world_size, started)
+        if strategy == "ddp":
+            _run_replicated(ctx, role, spec, rank, world_size, started)
+        else:
+            _run(ctx, role, spec, strategy, device, rank, world_size, started)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -112,16 +117,7 @@ def _run(ctx, role, spec, strategy: str, device: str, rank: int, world_size: int
     if strategy == "deepspeed":
         import_deepspeed()  # fail before loading anything when it is missing
     previous = ctx.checkpoint_manifest(role.stage, ctx.iteration - 1)
-    # A trainer state lost to a kill is rebuilt (and committed) by rank 0 alone; the others read it after.
-    # Rank 0 decides for all (a rank looking later could already see the state rank 0 committed).
-    decision = [not _state_ready(ctx, role, previous) if rank == 0 else None]
-    dist.broadcast_object_list(decision, src=0)
-    serial = bool(decision[0])
-    if serial and rank != 0:
-        dist.barrier()
-    model, optimizer, steps, source = _load_on_host(ctx, role, optim_cfg, previous)
-    if serial and rank == 0:
-        dist.barrier()
+    model, optimizer, steps, source = _load_trainer_state(ctx, role, optim_cfg, previous, rank, on_host=True)
     layout = Layout.of(model, optimizer)
     full_optimizer_state = optimizer.state_dict()
     del optimizer
@@ -147,13 +143,54 @@ def _run(ctx, role, spec, strategy: str, device: str, rank: int, world_size: int
     else:
         model_state, optimizer_state = gather_fsdp2(model, optimizer, layout)
     if rank == 0:
-        _commit(ctx, role, spec, model, model_state, optimizer_state, steps, metrics, started,
-                {"trainer_from": source, "world_size": world_size, "strategy": strategy})
+        _commit(ctx, role, spec, model, steps, metrics, started,
+                {"trainer_from": source, "world_size": world_size, "strategy": strategy},
+                states=(model_state, optimizer_state))
 
 
-def _commit(ctx, role, spec, model, model_state: dict, optimizer_state: dict, steps: int, metrics: dict,
-            started: float, info: dict) -> None:
-    """Rank 0: the weights commit and the trainer state, as the single-process ``update`` writes them."""
+def _load_trainer_state(ctx, role, optim_cfg, previous, rank: int, *, on_host: bool):
+    """Every rank's ``load_trainer_state``. A trainer state lost to a kill is rebuilt (and committed) by
+    rank 0 alone; the others read it after. Rank 0 decides for all (a rank looking later could already
+    see the state rank 0 committed)."""
+    import torch.distributed as dist
+
+    from kfrl.stages.update import load_trainer_state
+
+    decision = [not _state_ready(ctx, role, previous) if rank == 0 else None]
+    dist.broadcast_object_list(decision, src=0)
+    serial = bool(decision[0])
+    if serial and rank != 0:
+        dist.barrier()
+    loaded = _load_on_host(ctx, role, optim_cfg, previous) if on_host else \
+        load_trainer_state(ctx, role, optim_cfg, previous)
+    if serial and rank == 0:
+        dist.barrier()
+    return loaded
+
+
+def _run_replicated(ctx, role, spec, rank: int, world_size: int, started: float) -> None:
+    """A LoRA update: the whole copy on every rank, the adapters' gradients summed (``ReplicatedParallel``);
+    rank 0 commits from its own copy, as one process does."""
+    from kfrl.distributed.parallel import ReplicatedParallel
+    from kfrl.engines.minibatch import data_parallel
+    from kfrl.stages.update import TRAIN_STEP
+
+    optim_cfg = ctx.config.actor if role.name == "actor" else ctx.config.critic
+    previous = ctx.checkpoint_manifest(role.stage, ctx.iteration - 1)
+    model, optimizer, steps, source = _load_trainer_state(ctx, role, optim_cfg, previous, rank, on_host=False)
+    _log(rank, f"loaded the trainer state ({source}, {steps} optimizer steps so far) on every rank")
+    table = ctx.read_groups(*spec.reads)
+    with data_parallel(ReplicatedParallel(rank, world_size)):
+        metrics, steps = TRAIN_STEP[role.name](ctx, table, model, optimizer, steps)
+    if rank == 0:
+        _commit(ctx, role, spec, model, steps, metrics, started,
+                {"trainer_from": source, "world_size": world_size, "strategy": "ddp"}, optimizer=optimizer)
+
+
+def _commit(ctx, role, spec, model, steps: int, metrics: dict, started: float, info: dict, *,
+            states: tuple[dict, dict] | None = None, optimizer=None) -> None:
+    """Rank 0: the weights commit and the trainer state, as the single-process ``update`` writes them,
+    from ``states`` (gathered from shards) or from the whole ``model`` and ``optimizer``."""
     from kfrl.run import INIT_ITERATION, stage_prefix
     from kfrl.stages.update import _TIMING_SUFFIX, _write_state, save_weights
 
@@ -163,7 +200,7 @@ def _commit(ctx, role, spec, model, model_state: dict, optimizer_state: dict, st
     attempt = ctx.store.open_attempt(stage_prefix(ctx.iteration, role.stage))
     attempt.info.update(info)
     metrics[f"timing_s/save_checkpoint_files{suffix}"] = save_weights(
-        ctx, attempt, model, tokenizer, mlflow_model=role.name == "actor", state=model_state)
+        ctx, attempt, model, tokenizer, mlflow_model=role.name == "actor", state=states[0] if states else None)
     attempt.info["optimizer_steps"] = steps
     if role.name == "actor":
         attempt.info["policy_version"] = ctx.iteration
@@ -171,7 +208,7 @@ def _commit(ctx, role, spec, model, model_state: dict, optimizer_state: dict, st
     metrics[f"timing_s/hand_off{suffix}"] = 0.0  # no inference copy lives in a worker
     # As the single-process update without a background writer: the state, then the weights' manifest.
     saving = time.perf_counter()
-    _write_state(ctx, role, attempt.attempt, model, None, steps, states=(model_state, optimizer_state))
+    _write_state(ctx, role, attempt.attempt, model, optimizer, steps, states=states)
     metrics[f"timing_s/save_trainer_state{suffix}"] = time.perf_counter() - saving
     metrics[f"timing_s/{spec.timing}"] = time.perf_counter() - started
     manifest = attempt.commit(metrics=metrics, info={"iteration": ctx.iteration})
