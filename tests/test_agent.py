@@ -1,7 +1,6 @@
 """Multi-turn rollouts with tools (rollout.multi_turn): Hermes parsing, tool answers through the chat
 template, tools isolated in worker interpreters (errors, hangs, crashes become messages), the agent loop's
 response mask and budgets, and a multi-turn run through the stages."""
-import json
 import textwrap
 import time
 
@@ -10,7 +9,7 @@ import torch
 
 from kfrl.agent.chat import ToolMessageTokens, parse_hermes, truncate_text
 from kfrl.agent.loop import AgentSettings, ResubmitTurns, conversation_metrics, run_conversations
-from kfrl.agent.tools import ToolConfigError, ToolPool, ToolSpec, function_schema, load_tool_specs
+from kfrl.agent.tools import ToolConfigError, ToolPool, function_schema, load_tool_specs
 from kfrl.config import MultiTurnConfig, load_config
 from kfrl.engines.rollout import Generation, SamplingParams
 from kfrl.models.tiny import build_tokenizer, tool_call_text

@@ -221,11 +221,13 @@ def test_unreachable_s3_fails_after_bounded_retries(monkeypatch):
 
 
 def test_missing_bucket_is_reported_without_retrying(s3_server):
-    store = Store("s3://bucket-that-does-not-exist/root", retries=3, backoff_s=2.0)
+    # One retry would sleep 60 s first: a bound far below that proves there was none, however slow
+    # the machine (a 1.5 s bound once failed at 2.2 s on a loaded 2-core machine).
+    store = Store("s3://bucket-that-does-not-exist/root", retries=3, backoff_s=60.0, max_backoff_s=60.0)
     started = time.monotonic()
     with pytest.raises(StoreNotFoundError, match="bucket-that-does-not-exist"):
         store.ping()
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 30
 
 
 def test_local_store_retries_transient_errors(tmp_path, monkeypatch):

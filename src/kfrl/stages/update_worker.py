@@ -104,8 +104,6 @@ def run_worker(run_uri: str, iteration: int, role_name: str, rank: int, world_si
 
 
 def _run(ctx, role, spec, strategy: str, device: str, rank: int, world_size: int, started: float) -> None:
-    import torch.distributed as dist
-
     from kfrl.distributed.parallel import DataParallel, DeepSpeedParallel
     from kfrl.distributed.sharding import (Layout, deepspeed_engine, gather_deepspeed, gather_fsdp2,
                                            import_deepspeed, load_sharded_optimizer, shard_fsdp2)
