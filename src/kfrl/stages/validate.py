@@ -36,6 +36,7 @@ def validation_metrics(data_sources: list[str], scores: list[float], accs: list[
 
 
 def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]:
+    from kfrl.agent.loop import num_turns_of
     from kfrl.data.dataset import ground_truth_of, prompt_messages, tokenize_prompts
     from kfrl.engines.rollout import SamplingParams
     from kfrl.stages.rollout import read_dataset
@@ -66,8 +67,6 @@ def validate(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]
     seed = ctx.seed("validate", iteration=0)
     sample_ids = [f"val-{i}-s{k}" for i in range(len(records)) for k in range(kw.n)]
     agent_metrics: dict[str, float] = {}
-    from kfrl.agent.loop import num_turns_of
-
     if pool is not None:  # the tool agent answers validation prompts too, as veRL's agent loop does
         from kfrl.agent.loop import agent_generate
 
