@@ -35,8 +35,10 @@ case $part in
     kfrl offload --iterations 4 actor.param_offload=true actor.optimizer_offload=true
     trl full --steps 5
     cd .. && timeout 120 python -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_options.py 2>&1 | tail -3 ;;
-  lean|lean15)  # the leanest full fine-tune (bf16 weights, 8-bit AdamW, gradient checkpointing) against TRL's bf16 run
+  lean|lean15)  # the leanest full fine-tune (bf16 weights, 8-bit AdamW, gradient checkpointing) and TRL's own
+    # precision (bf16 weights and AdamW state, gradient checkpointing: TRL's default) against TRL's bf16 run
     kfrl lean --iterations 5 actor.master_dtype=bfloat16 actor.optimizer=AdamW8bit actor.gradient_checkpointing=true
+    kfrl bf16 --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true
     trl full --steps 5 ;;
   7b)
     kfrl lora --iterations 4 $lora actor.ppo_micro_batch_size_per_gpu=8 --keep-weights 1

@@ -78,6 +78,46 @@ def test_8bit_state_round_trips_exactly_and_never_loses_a_positive_second_moment
     assert ((restored[big] - values[big]).abs() / values[big]).max() < 2 ** -4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_adamw_steps_a_large_tensor_in_pieces_with_the_values_of_one_whole_step(dtype):
+    generator = torch.Generator().manual_seed(0)
+    w0 = torch.randn(63, 33, generator=generator).to(dtype)  # 2079 values: the last block is partial
+    grads = [torch.randn(63, 33, generator=generator).to(dtype) for _ in range(5)]
+
+    def run(chunk_size):
+        weight = torch.nn.Parameter(w0.clone())
+        optimizer = AdamW8bit([weight], lr=1e-2, min_8bit_size=1, chunk_size=chunk_size)
+        for grad in grads:
+            weight.grad = grad.clone()
+            optimizer.step()
+        return weight.detach(), optimizer.state[weight]
+
+    whole, whole_state = run(1 << 24)
+    pieces, pieces_state = run(3 * 256)  # three pieces of 768, 768 and 543 values
+    assert not torch.equal(whole, w0) and torch.equal(whole, pieces)
+    for key in ("exp_avg_codes", "exp_avg_sq_codes"):
+        assert torch.equal(whole_state[key].view(torch.uint8), pieces_state[key].view(torch.uint8))
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+        assert torch.equal(whole_state[key], pieces_state[key])
+    with pytest.raises(ValueError, match="chunk_size=1000 must be a multiple of block_size=256"):
+        AdamW8bit([torch.nn.Parameter(w0.clone())], chunk_size=1000)
+
+
+@pytest.mark.gpu
+def test_8bit_adamw_step_of_a_large_tensor_holds_a_bounded_working_set():
+    weight = torch.nn.Parameter(torch.randn(64 << 20, device="cuda", dtype=torch.bfloat16))
+    weight.grad = torch.randn_like(weight)
+    optimizer = AdamW8bit([weight], lr=1e-3, chunk_size=1 << 22)
+    optimizer.step()  # the state is allocated here
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    optimizer.step()
+    torch.cuda.synchronize()
+    # Stepped whole, six fp32 copies of 64 Mi values (1.5 GiB); in pieces of 4 Mi values, a few of those.
+    assert torch.cuda.max_memory_allocated() - held < 8 * (1 << 22) * 4
+
+
 def config(root: Path, *extra):
     return demo_config(root, *SMALL, *extra)
 

@@ -38,6 +38,23 @@ def test_values_and_gradients_equal_autograd(chunk):
         assert torch.allclose(got, want, atol=1e-10, rtol=1e-9)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_gemms_sum_the_weight_gradient_over_chunks_in_place(weight_dtype):
+    """bf16 GEMMs with fp32 weights (fp32 master) or bf16 weights (bf16 master): the weight gradient,
+    summed over 8 chunks in place, is the float64 one within bf16 rounding."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    weight = torch.randn(50, 32, generator=g, dtype=torch.float64) / 4
+    targets = torch.randint(0, 50, (64,), generator=g)
+    h, w = hidden.to(weight_dtype).requires_grad_(), weight.to(weight_dtype).requires_grad_()
+    logp, _ = linear_token_stats(h, w, targets, 1.0, torch.bfloat16, 8)
+    logp.sum().backward()
+    assert w.grad.dtype == weight_dtype
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    plain(h64, w64, targets, 1.0)[0].sum().backward()
+    assert (w.grad.double() - w64.grad).norm() / w64.grad.norm() < 2e-2
+
+
 @pytest.mark.numerics
 def test_log_probs_alone_need_no_entropy_gradient():
     g = torch.Generator().manual_seed(1)

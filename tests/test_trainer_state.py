@@ -95,6 +95,27 @@ def test_handing_weights_off_in_memory_commits_what_loading_them_from_the_store_
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_an_update_runs_without_the_inference_copies_it_replaces_and_keeps_the_reference(tmp_path, monkeypatch):
+    forget_process_state()
+    held_during_updates = []
+    original = update.TRAIN_STEP["actor"]
+
+    def step(ctx, *args):
+        held_during_updates.append(sorted((key[0], "iter-000000" in key[1]) for key in context._MODEL_CACHE))
+        return original(ctx, *args)
+
+    monkeypatch.setitem(update.TRAIN_STEP, "actor", step)
+    summary = train(config(tmp_path, "actor.use_kl_loss=true"), run_id="r", iterations=2)
+    # Each update held the initial policy (the reference of the KL loss) and nothing else: the decoder
+    # and policy copies of the weights it replaced were dropped before it began.
+    assert held_during_updates == [[("policy", True)], [("policy", True)]]
+    run = Run.at(summary.run_uri)
+    newest = run.manifest("update_actor", 2)
+    after = sorted(key[0] for key in context._MODEL_CACHE if key[1] == run.store.url(newest.prefix))
+    assert "decoder" in after or "policy" in after  # rebuilt from the new weights for the next rollout
+    assert newest.metrics["timing_s/hand_off"] >= 0
+
+
 def test_a_trainer_state_lost_to_a_kill_is_rebuilt_exactly_and_nothing_else_is_redone(tmp_path):
     forget_process_state()
     reference = Run.at(train(config(tmp_path / "a"), run_id="a", iterations=3).run_uri)

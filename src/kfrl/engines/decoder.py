@@ -218,18 +218,6 @@ class Decoder:
             found += [getattr(block, f.name) for f in dataclasses.fields(block) if getattr(block, f.name) is not None]
         return found
 
-    def load_weights_from(self, model, state: dict | None = None) -> None:
-        """Copy ``model``'s current weights (or ``state``, see ``from_hf_model``) into this decoder's own
-        tensors, in place: the addresses that captured CUDA graphs replay stay valid, and no second copy
-        is kept."""
-        fresh = Decoder.from_hf_model(model, dtype=self.dtype, state=state)
-        ours, theirs = self.tensors(), fresh.tensors()
-        if [t.shape for t in ours] != [t.shape for t in theirs]:
-            raise ValueError("the model's weights do not have this decoder's shapes")
-        with torch.no_grad():
-            for mine, new in zip(ours, theirs):
-                mine.copy_(new)
-
     # --- shared pieces ----------------------------------------------------------------------------
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (length, head_dim) in the model dtype, grown on demand and kept."""

@@ -10,6 +10,12 @@ the step is smaller than fp32 AdamW's, never blown up by a vanished denominator.
 step is fp32 (the moments are dequantised, updated and requantised), the weight decay decoupled as in
 ``torch.optim.AdamW``. Tensors of fewer than ``min_8bit_size`` values (norms, biases) keep fp32
 moments, as bitsandbytes' AdamW8bit does.
+
+A large tensor is stepped in pieces of ``chunk_size`` values (whole blocks), so the fp32 working
+tensors of a step stay a few hundred MB whatever the tensor: stepped whole, the 151936 x 1536
+embedding of a 1.5B model needs six fp32 copies of itself (5.6 GB) on top of everything the update
+holds, which made the optimizer step the peak of the whole iteration. Blocks are independent, so
+the pieces give the same values as one whole step.
 """
 from __future__ import annotations
 
@@ -53,11 +59,14 @@ class AdamW8bit(torch.optim.Optimizer):
     """``torch.optim.AdamW``'s update with the moments held in 8 bits (module docstring)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, block_size: int = 256, min_8bit_size: int = 4096):
+                 weight_decay: float = 1e-2, block_size: int = 256, min_8bit_size: int = 4096,
+                 chunk_size: int = 1 << 24):
         if lr <= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or eps <= 0 or block_size < 1:
             raise ValueError(f"AdamW8bit: invalid lr={lr}, betas={betas}, eps={eps} or block_size={block_size}")
+        if chunk_size < block_size or chunk_size % block_size:
+            raise ValueError(f"AdamW8bit: chunk_size={chunk_size} must be a multiple of block_size={block_size}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      block_size=block_size, min_8bit_size=min_8bit_size))
+                                      block_size=block_size, min_8bit_size=min_8bit_size, chunk_size=chunk_size))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -66,24 +75,24 @@ class AdamW8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                self._update(param, group, beta1, beta2)
+                self._update(param, group)
         return loss
 
-    def _update(self, param: torch.Tensor, group: dict, beta1: float, beta2: float) -> None:
-        grad = param.grad.detach().to(torch.float32).reshape(-1)
+    def _update(self, param: torch.Tensor, group: dict) -> None:
         state = self.state[param]
         numel, block = param.numel(), group["block_size"]
         quantized = numel >= group["min_8bit_size"]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
             if quantized:
-                zeros = torch.zeros(numel, dtype=torch.float32, device=param.device)
-                state["exp_avg_codes"], state["exp_avg_scale"] = quantize(zeros, block)
-                state["exp_avg_sq_codes"], state["exp_avg_sq_scale"] = quantize(zeros, block)
+                blocks = -(-numel // block)
+                for name in ("exp_avg", "exp_avg_sq"):
+                    state[f"{name}_codes"] = torch.zeros((blocks, block), dtype=FP8, device=param.device)
+                    state[f"{name}_scale"] = torch.full((blocks,), torch.finfo(torch.float32).tiny / FP8_MAX,
+                                                        dtype=torch.float32, device=param.device)
             else:
                 state["exp_avg"] = torch.zeros(numel, dtype=torch.float32, device=param.device)
                 state["exp_avg_sq"] = torch.zeros(numel, dtype=torch.float32, device=param.device)
@@ -91,22 +100,31 @@ class AdamW8bit(torch.optim.Optimizer):
             state["step"] = state["step"].cpu()
         state["step"] += 1
         step = float(state["step"])
-        if quantized:
-            exp_avg = dequantize(state["exp_avg_codes"], state["exp_avg_scale"], numel)
-            exp_avg_sq = dequantize(state["exp_avg_sq_codes"], state["exp_avg_sq_scale"], numel).square_()
-        else:
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
-        denominator = (exp_avg_sq.sqrt() / bias2 ** 0.5).add_(group["eps"])
-        master = param.detach().to(torch.float32).reshape(-1)
-        master.mul_(1 - group["lr"] * group["weight_decay"])
-        master.addcdiv_(exp_avg, denominator, value=-group["lr"] / bias1)
-        param.copy_(master.view_as(param).to(param.dtype))
-        if quantized:
-            state["exp_avg_codes"], state["exp_avg_scale"] = quantize(exp_avg, block)
-            state["exp_avg_sq_codes"], state["exp_avg_sq_scale"] = quantize_nonzero(exp_avg_sq.sqrt_(), block)
+        values = param.detach().view(-1) if param.is_contiguous() else None
+        grads = param.grad.detach().reshape(-1)
+        if not quantized:
+            master = _adamw(param.detach().reshape(-1), grads, state["exp_avg"], state["exp_avg_sq"], group, step)
+            param.copy_(master.view_as(param))
+            return
+        if values is None:  # not seen for parameters; stepped whole through a contiguous copy
+            values = param.detach().reshape(-1).clone()
+        chunk = group["chunk_size"] if param.is_contiguous() else numel
+        for start in range(0, numel, chunk):
+            end = min(numel, start + chunk)
+            rows = slice(start // block, -(-end // block))
+            codes, scales = state["exp_avg_codes"][rows], state["exp_avg_scale"][rows]
+            sq_codes, sq_scales = state["exp_avg_sq_codes"][rows], state["exp_avg_sq_scale"][rows]
+            exp_avg = dequantize(codes, scales, end - start)
+            exp_avg_sq = dequantize(sq_codes, sq_scales, end - start).square_()
+            master = _adamw(values[start:end], grads[start:end], exp_avg, exp_avg_sq, group, step)
+            values[start:end].copy_(master)
+            for (codes_out, scales_out), (new_codes, new_scales) in (
+                    ((codes, scales), quantize(exp_avg, block)),
+                    ((sq_codes, sq_scales), quantize_nonzero(exp_avg_sq.sqrt_(), block))):
+                codes_out.copy_(new_codes)
+                scales_out.copy_(new_scales)
+        if not param.is_contiguous():
+            param.copy_(values.view_as(param))
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch's loader casts every state tensor to its parameter's dtype, which would turn the float8
@@ -125,3 +143,18 @@ class AdamW8bit(torch.optim.Optimizer):
         """Bytes of optimizer state held (moments, scales and step counters)."""
         return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
                    if isinstance(t, torch.Tensor))
+
+
+def _adamw(values: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+           group: dict, step: int | float) -> torch.Tensor:
+    """One decoupled-weight-decay Adam step of flat ``values`` in fp32: updates the fp32 moments in place
+    and returns the new values (fp32; ``values`` itself when it is fp32)."""
+    beta1, beta2 = group["betas"]
+    grads = grads.to(torch.float32)
+    exp_avg.lerp_(grads, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
+    bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+    denominator = (exp_avg_sq.sqrt() / bias2 ** 0.5).add_(group["eps"])
+    master = values.to(torch.float32)
+    master.mul_(1 - group["lr"] * group["weight_decay"])
+    return master.addcdiv_(exp_avg, denominator, value=-group["lr"] / bias1)

@@ -297,12 +297,30 @@ class StageContext:
                         slot=("reward",))
         return model, _cached_in(_TOKENIZER_CACHE, (path,), lambda: load_tokenizer(path), TOKENIZER_CACHE_SIZE)
 
-    def hand_off(self, kinds: tuple[str, ...], prefix: str, attempt: str, model) -> list[str]:
-        """Give an update's new weights (``model``, the training copy) to this process's inference copies
-        of ``kinds`` (policy, decoder, critic), filed under the new commit (``prefix``, ``attempt``), so
-        the next stages find them without reading the store. The copy of the previous weights is
-        overwritten in place (one inference copy per kind, whatever the iteration); the first update
-        of a run builds it (the initial weights stay: they are the reference). Returns the kinds given."""
+    def release_inference_copies(self, kinds: tuple[str, ...], prefix: str) -> tuple[str, ...]:
+        """Drop this process's inference copies (policy, decoder, critic) that the update committing at
+        ``prefix`` replaces, so that the update runs without them in device memory: a copy holds as many
+        weights as the training copy, and the update's peak is where it would hurt. ``hand_off`` builds
+        their successors from the new weights. The initial policy stays when it is the reference.
+        Returns the kinds dropped; after a failed update the next stage loads them from the store."""
+        released = []
+        for kind in kinds:
+            slot = self._slot(kind, prefix)
+            for held in (slot, slot[:2] + (True,)):
+                if held[2] and self._initial_policy_is_reference(kind):
+                    continue
+                key = _MODEL_SLOTS.get(held)
+                if key is not None and _MODEL_CACHE.pop(key, None) is not None:
+                    _MODEL_SLOTS.pop(held)
+                    released.append(kind)
+        return tuple(dict.fromkeys(released))
+
+    def hand_off(self, kinds: tuple[str, ...], prefix: str, attempt: str, model,
+                 released: tuple[str, ...] = ()) -> list[str]:
+        """Give an update's new weights (``model``, the training copy) to this process as inference
+        copies of ``kinds``, filed under the new commit (``prefix``, ``attempt``), so the next stages find
+        them without reading the store: a copy for each kind ``release_inference_copies`` dropped, and a
+        policy beside a kept reference. Returns the kinds given."""
         import torch
 
         from kfrl.models.lora import is_lora_model, merged_state
@@ -311,27 +329,22 @@ class StageContext:
         merged = None  # a LoRA copy's merged weights, computed once for all the kinds that take them
         for kind in kinds:
             slot = self._slot(kind, prefix)
-            init_slot = slot[:2] + (True,)
-            current = _MODEL_SLOTS.get(slot)
+            beside_reference = (self._initial_policy_is_reference(kind)
+                                and _MODEL_SLOTS.get(slot[:2] + (True,)) in _MODEL_CACHE)
+            if kind not in released and not beside_reference:
+                continue  # this process has not used weights of this kind: nothing to keep current
             with torch.no_grad():
-                if merged is None and is_lora_model(model) and (
-                        current in _MODEL_CACHE or _MODEL_SLOTS.get(init_slot) in _MODEL_CACHE):
+                if merged is None and is_lora_model(model):
                     merged = merged_state(model)
-                if current is not None and current in _MODEL_CACHE:
-                    copy = _MODEL_CACHE.pop(current)
-                    _load_into(kind, copy, model, merged)
-                elif _MODEL_SLOTS.get(init_slot) in _MODEL_CACHE:
-                    if kind == "policy" and self.config.use_ref and not self.config.model.lora_rank:
-                        # the initial policy is the reference (with LoRA: the training copy, adapters off)
-                        copy = _inference_copy(kind, model, self.compute_dtype, merged)
-                    else:  # the initial weights are not read again: their copy takes the new ones
-                        copy = _MODEL_CACHE.pop(_MODEL_SLOTS.pop(init_slot))
-                        _load_into(kind, copy, model, merged)
-                else:
-                    continue  # this process has not used weights of this kind: nothing to keep current
+                copy = _inference_copy(kind, model, self.compute_dtype, merged)
             _cached(self._model_key(kind, prefix, attempt), lambda: copy, slot=slot)
             given.append(kind)
         return given
+
+    def _initial_policy_is_reference(self, kind: str) -> bool:
+        """The initial policy copy is the reference policy (with LoRA the reference is the training copy
+        with adapters off, so no copy is kept)."""
+        return kind == "policy" and self.config.use_ref and not self.config.model.lora_rank
 
     def _model_key(self, kind: str, prefix: str, attempt: str) -> tuple:
         """A cached model's key: the commit it holds (not a local path, which may need a download)."""
@@ -340,19 +353,6 @@ class StageContext:
     def _slot(self, kind: str, prefix: str) -> tuple:
         slot, iteration = _checkpoint_slot(self.store.url(prefix), prefix)
         return (kind, slot, iteration == INIT_ITERATION)
-
-
-def _load_into(kind: str, copy, model, state: dict | None = None) -> None:
-    """Overwrite an inference copy's weights with a training model's, in place (cast to its dtype); a
-    LoRA training copy gives its merged weights (``state``, computed when not given)."""
-    from kfrl.models.lora import base_model_of, is_lora_model, merged_state
-
-    if state is None and is_lora_model(model):
-        state = merged_state(model)
-    if kind == "decoder":
-        copy.load_weights_from(base_model_of(model), state=state)
-    else:
-        copy.load_state_dict(state if state is not None else model.state_dict())
 
 
 def _inference_copy(kind: str, model, dtype, state: dict | None = None):

@@ -308,6 +308,7 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
 
     if world_size(ctx.config) > 1:  # sharded over worker processes: they commit; run_stage's commit finds theirs
         return distributed_update(ctx, role)
+    released = ctx.release_inference_copies(role.inference_kinds, attempt.prefix)
     model, optimizer, steps = trainer(ctx, role, optim_cfg, attempt)
     from kfrl.engines.offload import move_training_copy, offloads
 
@@ -335,7 +336,7 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
         attempt.info["policy_version"] = ctx.iteration
     metrics[f"timing_s/save_checkpoint{suffix}"] = time.perf_counter() - started
     started = time.perf_counter()
-    ctx.hand_off(role.inference_kinds, attempt.prefix, attempt.attempt, model)
+    ctx.hand_off(role.inference_kinds, attempt.prefix, attempt.attempt, model, released)
     metrics[f"timing_s/hand_off{suffix}"] = time.perf_counter() - started
     if param_offload or optimizer_offload:  # the GPU is left to the stages until the next update
         metrics[f"timing_s/offload{suffix}"] = move_training_copy(model, optimizer, "cpu", params=param_offload,
