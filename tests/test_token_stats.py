@@ -38,6 +38,7 @@ def test_values_and_gradients_equal_autograd(chunk):
         assert torch.allclose(got, want, atol=1e-10, rtol=1e-9)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 def test_bf16_gemms_sum_the_weight_gradient_over_chunks_in_place(weight_dtype):
     """bf16 GEMMs with fp32 weights (fp32 master) or bf16 weights (bf16 master): the weight gradient,
