@@ -102,8 +102,8 @@ def test_missing_logprob_is_an_error(vllm, tmp_path):
     llm = vllm.INSTANCES[0]
     real = llm.generate
 
-    def without_logprobs(prompts, params, use_tqdm=True):
-        outputs = real(prompts, params, use_tqdm)
+    def without_logprobs(prompts, params, use_tqdm=True, **kwargs):
+        outputs = real(prompts, params, use_tqdm, **kwargs)
         outputs[0].outputs[0].logprobs = [{}] * len(outputs[0].outputs[0].token_ids)
         return outputs
 
@@ -139,3 +139,29 @@ def test_rollout_stage_runs_on_the_vllm_backend(vllm, tmp_path):
             assert responses[p * 2 + k] == expected_tokens(prompt["prompt_token_ids"], k, 8, params.seed,
                                                             set(params.stop_token_ids))
     assert table.column("prompt_ids").to_pylist()[::2] == [p["prompt_token_ids"] for p in prompts]
+
+
+def test_a_lora_run_serves_each_adapter_commit_on_the_base_through_vllms_lora_support(vllm, tmp_path):
+    from kfrl.driver.controller import train
+    from kfrl.run import Run
+    from run_tables import demo_config, forget_process_state
+
+    forget_process_state()
+    config = demo_config(tmp_path, "model.lora_rank=4", "model.lora_alpha=8", "rollout.name=vllm",
+                         "trainer.device=cpu", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2",
+                         "data.max_response_length=8", "trainer.log_generations=0", "trainer.val_before_train=false",
+                         "pipeline.runner=inline", "trainer.test_freq=-1")
+    run = Run.at(train(config, run_id="v", iterations=3).run_uri)
+    assert len(vllm.INSTANCES) == 1  # one engine, built once from the base and never given other weights
+    llm = vllm.INSTANCES[0]
+    base = run.store.committed_dir(run.manifest("update_actor", 0))
+    assert Path(llm.model) == base and llm.worker_model.loaded == []
+    assert (llm.kwargs["enable_lora"], llm.kwargs["max_lora_rank"]) == (True, 4)
+    first, *later = llm.lora_requests
+    assert first is None  # iteration 1 samples the initial weights: the base alone
+    for iteration, request in enumerate(later, start=1):
+        adapter = run.store.committed_dir(run.manifest("update_actor", iteration))
+        assert Path(request.lora_path) == adapter and (adapter / "adapter_config.json").is_file()
+        assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "model.safetensors").exists()
+    assert [request.lora_int_id for request in later] == [1, 2]  # a new id per adapter: vLLM caches by id
+    assert len({request.lora_name for request in later}) == 2

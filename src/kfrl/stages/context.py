@@ -206,22 +206,6 @@ class StageContext:
         merge_into(model, adapter, scaling)
         return model
 
-    def merged_dir(self, manifest: Manifest) -> Path:
-        """A local HF directory of a checkpoint: its own folder, or for an adapter commit the merged model
-        written once into this machine's cache (for loaders that read a directory: vLLM)."""
-        if not manifest.info.get("adapter"):
-            return self.checkpoint_dir(manifest)
-        from kfrl.models.hf_io import load_causal_lm, save_hf
-
-        key = hashlib.sha1(f"{self.store.url(manifest.prefix)}#{manifest.attempt}".encode()).hexdigest()[:16]
-        local = cache_dir() / "merged" / key
-        if not (local / "config.json").is_file():
-            tmp = local.with_name(f"{key}.tmp{os.getpid()}")
-            save_hf(self._load_merged(manifest, load_causal_lm), self.load_tokenizer(manifest), tmp)
-            shutil.rmtree(local, ignore_errors=True)
-            os.replace(tmp, local)
-        return local
-
     def rollout_engine(self, manifest: Manifest, *, micro_batch_size: int | None = None):
         """The configured rollout backend (``kfrl.engines.rollout``) holding ``manifest``'s weights;
         ``engine.name`` says which backend ``rollout.name`` resolved to."""
@@ -243,11 +227,16 @@ class StageContext:
         if backend == "vllm":
             from kfrl.engines.rollout_vllm import vllm_engine
 
-            data = self.config.data
-            return vllm_engine(self.merged_dir(manifest), eos, dtype="bfloat16" if self.device == "cuda" else "float32",
+            data, lora_rank = self.config.data, self.config.model.lora_rank
+            # LoRA: the base (the initial commit) stays in the engine; the commit's adapter is served on it.
+            model_dir = self.checkpoint_dir(self.policy_manifest(INIT_ITERATION)) if lora_rank else \
+                self.checkpoint_dir(manifest)
+            adapter_dir = self.checkpoint_dir(manifest) if manifest.info.get("adapter") else None
+            return vllm_engine(model_dir, eos, adapter_dir=adapter_dir,
+                               dtype="bfloat16" if self.device == "cuda" else "float32",
                                gpu_memory_utilization=cfg.gpu_memory_utilization, seed=self.config.trainer.seed,
                                max_model_len=data.max_prompt_length + data.max_response_length,
-                               enforce_eager=cfg.enforce_eager)
+                               enforce_eager=cfg.enforce_eager, max_lora_rank=lora_rank)
         from kfrl.engines.decoder import Decoder
         from kfrl.engines.rollout_torch import TorchRollout
 

@@ -1,8 +1,8 @@
 """A stand-in for the parts of vLLM's offline API that kfrl's vllm backend calls (``LLM``,
-``SamplingParams``, ``inputs.TokensPrompt``), recording every call so tests can check the request
-kfrl builds and how it maps the answers. Generation is a deterministic function of the prompt and
-the sample index; completions come back in reverse sample order, as nothing in vLLM promises an order
-within a request."""
+``SamplingParams``, ``inputs.TokensPrompt``, ``lora.request.LoRARequest``), recording every call so
+tests can check the request kfrl builds and how it maps the answers. Generation is a deterministic
+function of the prompt and the sample index; completions come back in reverse sample order, as
+nothing in vLLM promises an order within a request."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,12 +62,14 @@ class LLM:
         self.model = model
         self.kwargs = kwargs
         self.requests: list[tuple[list, SamplingParams]] = []
+        self.lora_requests: list = []  # the LoRARequest (or None) of each generate call
         self.worker_model = FakeModel()
         self.prefix_cache_resets = 0
         INSTANCES.append(self)
 
-    def generate(self, prompts, sampling_params: SamplingParams, use_tqdm: bool = True):
+    def generate(self, prompts, sampling_params: SamplingParams, use_tqdm: bool = True, lora_request=None):
         self.requests.append((prompts, sampling_params))
+        self.lora_requests.append(lora_request)
         outputs = []
         for request, prompt in enumerate(prompts):
             ids = prompt["prompt_token_ids"]
