@@ -100,15 +100,14 @@ class AdamW8bit(torch.optim.Optimizer):
             state["step"] = state["step"].cpu()
         state["step"] += 1
         step = float(state["step"])
-        values = param.detach().view(-1) if param.is_contiguous() else None
         grads = param.grad.detach().reshape(-1)
         if not quantized:
             master = _adamw(param.detach().reshape(-1), grads, state["exp_avg"], state["exp_avg_sq"], group, step)
             param.copy_(master.view_as(param))
             return
-        if values is None:  # not seen for parameters; stepped whole through a contiguous copy
-            values = param.detach().reshape(-1).clone()
-        chunk = group["chunk_size"] if param.is_contiguous() else numel
+        # A view of the parameter's values; a parameter that is not contiguous (not seen) goes through a copy.
+        values = param.detach().view(-1) if param.is_contiguous() else param.detach().reshape(-1).clone()
+        chunk = group["chunk_size"]
         for start in range(0, numel, chunk):
             end = min(numel, start + chunk)
             rows = slice(start // block, -(-end // block))

@@ -4,12 +4,16 @@ caching, for the cluster GPU image (the ``gpu`` extra).
 One engine per process: the first call builds it from the policy checkpoint; later calls with a new
 checkpoint load its safetensors into the running engine (``LLM.apply_model`` → the model's
 ``load_weights``) and reset the prefix cache, whose KV was computed with the old weights, instead
-of building a new engine. A LoRA run uses vLLM's own LoRA support, as veRL does: the engine holds
-the base (the run's initial weights, never swapped) with ``enable_lora``, and each iteration's
-adapter commit (a PEFT folder) is served through a ``LoRARequest``, so no merged model is written or
-loaded per iteration. Each new adapter gets a new id: vLLM caches adapters by id, and a retried
-iteration's adapter differs from the first attempt's. vLLM cannot be installed on CI or on the benchmark GPU here, so this
-module is tested against a small fake ``vllm`` (tests/fake_vllm); the GPU path is untested here.
+of building a new engine.
+
+A LoRA run uses vLLM's own LoRA support, as veRL does: the engine holds the base (the run's initial
+weights, never swapped) with ``enable_lora``, and each iteration's adapter commit (a PEFT folder) is
+served through a ``LoRARequest``, so no merged model is written or loaded per iteration. Each new
+adapter gets a new id: vLLM caches adapters by id, and a retried iteration's adapter differs from
+the first attempt's.
+
+vLLM cannot be installed on CI or on the benchmark GPU here, so this module is tested against a
+small fake ``vllm`` (tests/fake_vllm); the GPU path is untested here.
 """
 from __future__ import annotations
 
