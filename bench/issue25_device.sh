@@ -3,6 +3,7 @@
 #   bash bench/issue25_device.sh <part> <out-dir>
 # part 05: 0.5B shape (kfrl full / LoRA / bf16+AdamW8bit / offload, TRL full / LoRA) and the GPU tests;
 # part lean / lean15: 0.5B / 1.5B, kfrl's leanest full fine-tune against TRL's bf16 run;
+# part mem05 / mem15: 0.5B / 1.5B at TRL's precision, with and without actor.use_liger, against TRL's bf16 run;
 # part 15: 1.5B shape (kfrl full / bf16+AdamW8bit+checkpointing / offload, TRL full) and the GPU tests; part 7b: 7B shape, LoRA only (kfrl, TRL).
 # Every run is the TRL workload (64 prompts x 4 samples, 133 + 256 tokens, one optimizer step).
 set -u
@@ -12,7 +13,7 @@ export PYTHONPATH=$PWD/src:$PWD/bench
 python -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v -i warning | tail -2
 cd bench
 model=/tmp/kfrl-bench-model-$part
-case $part in 05|lean) shape=0.5b ;; 15|lean15) shape=1.5b ;; *) shape=7b ;; esac
+case $part in 05|lean|mem05) shape=0.5b ;; 15|lean15|mem15) shape=1.5b ;; *) shape=7b ;; esac
 python -c "import sys; from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model'), '$shape')"
 lora="model.lora_rank=64 model.lora_alpha=128 actor.lr=1e-5"
 kfrl() { name=$1; shift; timeout "${KFRL_LIMIT:-240}" python gpu_iteration.py --workload trl --prompt-tokens 133 --shape "$shape" \
@@ -40,8 +41,15 @@ case $part in
     kfrl lean --iterations 5 actor.master_dtype=bfloat16 actor.optimizer=AdamW8bit actor.gradient_checkpointing=true
     kfrl bf16 --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true
     trl full --steps 5 ;;
+  mem05|mem15)  # TRL's precision, with and without liger-kernel's fused kernels (actor.use_liger), against TRL's bf16 run
+    kfrl bf16 --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true
+    kfrl bf16_liger --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true actor.use_liger=true
+    trl full --steps 5 ;;
   7b)
-    kfrl lora --iterations 4 $lora actor.ppo_micro_batch_size_per_gpu=8 --keep-weights 1
-    trl lora --steps 3 --lora-rank 64 --lora-alpha 128 ;;
+    # micro-batches of 8 rows on both sides; TRL checkpoints gradients (its default), kfrl once without, once with
+    KFRL_LIMIT=${KFRL_LIMIT:-200} kfrl lora --iterations 4 $lora actor.ppo_micro_batch_size_per_gpu=8 --keep-weights 1
+    TRL_LIMIT=${TRL_LIMIT:-270} trl lora --steps 3 --micro 8 --lora-rank 64 --lora-alpha 128
+    KFRL_LIMIT=${KFRL_LIMIT:-150} kfrl lora_ckpt --iterations 3 $lora actor.ppo_micro_batch_size_per_gpu=8 \
+      actor.gradient_checkpointing=true --keep-weights 1 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -156,7 +156,9 @@ def test_verl_memory_and_lora_keys_map_onto_kfrl():
         "actor_rollout_ref.actor.optim.optimizer=AdamW8bit",
         "actor_rollout_ref.actor.optim.optimizer_impl=bitsandbytes.optim",
         "critic.model.lora_rank=8", "critic.model.fsdp_config.model_dtype=fp32", "critic.optim.optimizer=_AdamW",
+        "actor_rollout_ref.model.use_liger=true",
     ], notices=notices)
+    assert cfg.actor.use_liger and not load_config(None, []).actor.use_liger
     assert (cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules) == (32, 64, ["q_proj", "v_proj"])
     assert (cfg.actor.param_offload, cfg.actor.optimizer_offload) == (True, True)
     assert (cfg.actor.master_dtype, cfg.actor.optimizer) == ("bfloat16", "AdamW8bit")
@@ -167,6 +169,15 @@ def test_verl_memory_and_lora_keys_map_onto_kfrl():
         load_config(None, ["model.lora_rank=8", "trainer.n_gpus_per_node=2", "actor.strategy=deepspeed"])
     with pytest.raises(ValueError, match="actor.optimizer"):
         load_config(None, ["actor.optimizer=Lion"])
+
+
+def test_liger_kernels_are_refused_off_cuda_with_the_key_to_change():
+    from kfrl.models.hf_io import load_causal_lm
+    from kfrl.models.tiny import materialize_builtin
+
+    model = load_causal_lm(materialize_builtin("builtin:tiny-qwen2-arith"))
+    with pytest.raises(ValueError, match=r"actor.use_liger needs a CUDA device.*set actor.use_liger=false"):
+        update.apply_liger_kernels(model, "cpu")
 
 
 def run_stages(root: Path, iterations: int, *extra) -> Run:

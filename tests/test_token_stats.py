@@ -70,6 +70,55 @@ def test_log_probs_alone_need_no_entropy_gradient():
     assert torch.allclose(grad, hidden.grad, atol=1e-10)
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("gemm_dtype", [torch.float64, torch.float32])
+def test_a_tied_head_adds_its_gradient_straight_into_the_parameter_over_micro_batches(gemm_dtype):
+    """An embedding that is also the LM head (Qwen2.5-0.5B/1.5B), two micro-batches accumulated: the
+    fused pass writes the head's part of the gradient into ``.grad`` (no head-sized gradient held by
+    autograd through the body's backward) and the sum equals plain autograd's."""
+    g = torch.Generator().manual_seed(3)
+    vocab, width = 29, 12
+    start_embed = torch.randn(vocab, width, generator=g, dtype=torch.float64)
+    start_mix = torch.randn(width, width, generator=g, dtype=torch.float64) / 3
+    batches = [(torch.randint(0, vocab, (7,), generator=g), torch.randint(0, vocab, (7,), generator=g))
+               for _ in range(2)]
+
+    def run(fused: bool):
+        embed = torch.nn.Parameter(start_embed.to(gemm_dtype).clone())
+        mix = torch.nn.Parameter(start_mix.to(gemm_dtype).clone())
+        for ids, targets in batches:
+            hidden = torch.tanh(torch.nn.functional.embedding(ids, embed) @ mix)
+            if fused:
+                logp, ent = linear_token_stats(hidden, embed, targets, 0.9, gemm_dtype, 3)
+            else:
+                logp, ent = plain(hidden, embed, targets, 0.9)
+            (logp.sum() + 0.1 * ent.sum()).backward()
+        return embed.grad, mix.grad
+
+    fused_embed, fused_mix = run(True)
+    plain_embed, plain_mix = run(False)
+    tolerance = 1e-10 if gemm_dtype == torch.float64 else 1e-4
+    assert torch.allclose(fused_embed, plain_embed, atol=tolerance, rtol=tolerance)
+    assert torch.allclose(fused_mix, plain_mix, atol=tolerance, rtol=tolerance)
+
+
+def test_only_a_plain_unhooked_parameter_takes_its_gradient_outside_autograd():
+    from kfrl.engines.token_stats import accumulates_into_grad
+
+    weight = torch.nn.Parameter(torch.zeros(4, 3))
+    assert accumulates_into_grad(weight)
+    assert not accumulates_into_grad(torch.zeros(4, 3, requires_grad=True))  # not a parameter
+    assert not accumulates_into_grad(torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False))
+    seen = []
+    hooked = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64))
+    hooked.register_hook(lambda grad: seen.append(grad.shape))
+    assert not accumulates_into_grad(hooked)
+    hidden = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    logp, _ = linear_token_stats(hidden, hooked, torch.tensor([0, 1, 2, 3]), 1.0, torch.float64, 2)
+    logp.sum().backward()
+    assert seen == [torch.Size([5, 3])] and hooked.grad is not None  # the hook saw the gradient
+
+
 KERNEL_CHECKS = textwrap.dedent(r"""
     import torch
     from kfrl.engines import token_stats as ts
@@ -153,6 +202,8 @@ def test_update_and_log_prob_passes_leave_cudnn_attention_out_on_cuda(monkeypatc
     from kfrl.models.tiny import materialize_builtin
     from kfrl.trajectory import Trajectories
 
+    # Built (and trained, on a fresh cache) before the recording starts: building runs passes of its own.
+    model_dir = materialize_builtin("builtin:tiny-qwen2-arith")
     seen = []
 
     def recorded(device_type):
@@ -160,12 +211,12 @@ def test_update_and_log_prob_passes_leave_cudnn_attention_out_on_cuda(monkeypatc
         return contextlib.nullcontext()
 
     monkeypatch.setattr(inference, "attention_kernels", recorded)
-    model = load_causal_lm(materialize_builtin("builtin:tiny-qwen2-arith"))
+    model = load_causal_lm(model_dir)
     batch = Trajectories.from_lists([[5, 6, 7]], [[8, 9]], pad_id=0)
     inference.forward_token_stats(model, batch, 1.0, with_entropy=True)
     assert seen == ["cpu"]
     from kfrl.engines.critic import forward_values
     from kfrl.models.hf_io import load_value_model
 
-    forward_values(load_value_model(materialize_builtin("builtin:tiny-qwen2-arith")), batch)
+    forward_values(load_value_model(model_dir), batch)
     assert seen == ["cpu", "cpu"]

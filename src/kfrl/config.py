@@ -232,6 +232,10 @@ class ActorConfig(TrainingCopyConfig):
     # elementwise work). The first update of a process pays the compilation (tens of seconds): worth it
     # in a resident engine, not for a task that runs one update.
     use_torch_compile: bool = False
+    # veRL's model.use_liger. CUDA only: liger-kernel's fused RMSNorm, rotary and SwiGLU kernels, forward
+    # and backward, in the training copy (pip install liger-kernel; in kfrl[gpu]). Its LM-head losses
+    # stay off: kfrl's own fused LM head computes log-probs and entropies.
+    use_liger: bool = False
     shuffle: bool = False
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None

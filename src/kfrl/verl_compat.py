@@ -36,6 +36,7 @@ VERL_KEYS: dict[str, str] = {
     f"{AR}.actor.ppo_epochs": "actor.ppo_epochs",
     f"{AR}.actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
     f"{AR}.actor.use_torch_compile": "actor.use_torch_compile",
+    f"{AR}.model.use_liger": "actor.use_liger",
     f"{AR}.rollout.log_prob_use_dynamic_bsz": "rollout.log_prob_use_dynamic_bsz",
     f"{AR}.rollout.log_prob_max_token_len_per_gpu": "rollout.log_prob_max_token_len_per_gpu",
     f"{AR}.actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu",
@@ -134,7 +135,6 @@ _STORE = "checkpoints live in the run's store (store.uri); resume with kfrl trai
 IGNORED: dict[str, str] = {
     f"{AR}.model.use_remove_padding": "kfrl pads per micro-batch; there is no remove-padding path",
     f"{AR}.model.enable_activation_offload": _MEMORY,
-    f"{AR}.model.use_liger": _MEMORY,
     f"{AR}.model.use_fused_kernels": _MEMORY,
     f"{AR}.model.use_shm": _UNUSED_MODEL,
     f"{AR}.model.trust_remote_code": _UNUSED_MODEL,

@@ -132,6 +132,7 @@ class _LinearTokenStats(torch.autograd.Function):
         lse, logp, entropy = (torch.cat([p[k] for p in parts]) for k in range(3))
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.inv_t, ctx.dtype, ctx.chunk = inv_t, dtype, chunk
+        ctx.into_grad = weight if accumulates_into_grad(weight) else None
         ctx.mark_non_differentiable(lse)
         return logp, entropy, lse
 
@@ -146,7 +147,14 @@ class _LinearTokenStats(torch.autograd.Function):
         # is 0.3-0.9 GB at 0.5B-1.5B, at the peak of the update.
         in_place = weight.dtype == ctx.dtype
         wide = weight.dtype if in_place else _at_least_fp32(weight.dtype)
-        grad_weight = torch.zeros_like(weight, dtype=wide) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        into_grad = ctx.into_grad is not None and ctx.needs_input_grad[1] and wide == weight.dtype
+        if into_grad:  # straight into the parameter's .grad: see accumulates_into_grad
+            if ctx.into_grad.grad is None:
+                ctx.into_grad.grad = torch.zeros_like(weight)
+            grad_weight = ctx.into_grad.grad
+        elif ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros_like(weight, dtype=wide)
         g_logp = g_logp.to(lse.dtype).contiguous() if g_logp is not None else torch.zeros_like(lse)
         g_ent = g_ent.to(lse.dtype).contiguous() if g_ent is not None else None
         for start in range(0, hidden.shape[0], ctx.chunk):
@@ -161,9 +169,29 @@ class _LinearTokenStats(torch.autograd.Function):
                 grad_weight.addmm_(logits.t(), h)
             elif grad_weight is not None:
                 grad_weight.add_(logits.t() @ h)  # cast while added: no fp32 copy of the product
-        if grad_weight is not None and not in_place:
+        ctx.into_grad = None
+        if into_grad:
+            grad_weight = None  # already in .grad
+        elif grad_weight is not None and not in_place:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def accumulates_into_grad(weight: torch.Tensor) -> bool:
+    """Whether the backward adds the weight's gradient straight into ``weight.grad`` instead of handing
+    autograd a gradient of the weight's size. A tied LM head (Qwen2.5-0.5B/1.5B) is also the embedding,
+    which gets its gradient only at the very end of the backward: autograd holds the LM head's part
+    (0.25-0.43 GiB in bf16, twice that in fp32) through the whole transformer body's backward, at the
+    update's peak, to sum it with the embedding's. Only for a plain leaf parameter in a single process,
+    with no hooks on its gradient: a sharded or hooked parameter (FSDP, DDP) gets its gradient through
+    autograd, where its hooks see it."""
+    import torch.distributed as dist
+
+    return (isinstance(weight, torch.nn.Parameter) and weight.is_leaf and weight.requires_grad
+            and type(weight.data) is torch.Tensor
+            and not (dist.is_available() and dist.is_initialized())
+            and not getattr(weight, "_backward_hooks", None)
+            and not getattr(weight, "_post_accumulate_grad_hooks", None))
 
 
 def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,

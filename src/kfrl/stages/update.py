@@ -193,9 +193,41 @@ def _load_training_model(ctx: StageContext, role: Role, manifest):
             load_adapter_state(model, adapter)
     if section.gradient_checkpointing:
         enable_gradient_checkpointing(model, str(ctx.device).split(":")[0])
+    if role.name == "actor" and ctx.config.actor.use_liger:
+        apply_liger_kernels(model, ctx.device)
     if role.name == "actor" and ctx.config.actor.use_torch_compile and next(model.parameters()).is_cuda:
         compile_layers(model)
     return model
+
+
+def apply_liger_kernels(model, device) -> None:
+    """liger-kernel's fused RMSNorm, rotary and SwiGLU (Triton, forward and backward) in ``model`` (a
+    training copy, LoRA or not), as veRL's ``model.use_liger`` does; not its LM-head losses, which kfrl's
+    fused LM head replaces. Liger patches the model family's transformers module for the whole process
+    (rotary is a module-level function there), so models of that family loaded later in the process
+    (the log-prob copies) run its kernels too."""
+    from kfrl.models.lora import base_model_of
+
+    if torch_device_type(device) != "cuda":
+        raise ValueError(f"actor.use_liger needs a CUDA device (liger-kernel's kernels are Triton GPU kernels); "
+                         f"this update runs on {device}: set actor.use_liger=false")
+    try:
+        from liger_kernel.transformers.monkey_patch import (MODEL_TYPE_TO_APPLY_LIGER_FN,
+                                                            _apply_liger_kernel_to_instance)
+    except ImportError as err:
+        raise ValueError("actor.use_liger needs the liger-kernel package: pip install liger-kernel "
+                         "(or kfrl[gpu]), or set actor.use_liger=false") from err
+    hf_model = base_model_of(model)
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ValueError(f"actor.use_liger: liger-kernel has no kernels for model_type {model_type!r} "
+                         f"(it has {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set actor.use_liger=false")
+    _apply_liger_kernel_to_instance(model=hf_model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+
+
+def torch_device_type(device) -> str:
+    return str(device).split(":")[0]
 
 
 def enable_gradient_checkpointing(model, device_type: str) -> None:
