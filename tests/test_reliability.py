@@ -360,6 +360,50 @@ def test_a_wiped_store_is_reported_not_silently_recomputed(tmp_path):
     assert not Run.at(str(tmp_path / "store" / "demo" / "w")).latest()
 
 
+@pytest.mark.parametrize("uncommitted", [["update_actor"], ["update_actor", "validate", "advantage", "score"]],
+                         ids=["weights", "weights_and_queued_stages"])
+def test_a_kill_while_an_update_commits_in_the_background_resumes_with_nothing_logged_twice(tmp_path, uncommitted):
+    """The controller logs an iteration while its update's weights (and the commits queued behind them)
+    are still being written in the background, and moves LATEST once they are durable. The store a kill
+    leaves in between (MLflow at 2, LATEST at 1, iteration 2's update not committed) resumes: the update
+    runs again and no metric of iteration 2 is logged twice."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    def history():
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/m.db")
+        (run,) = client.search_runs([client.get_experiment_by_name("kfrl").experiment_id],
+                                    "tags.`kfrl.run_id` = 'k'")
+        return {key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+                for key in run.data.metrics if not key.startswith(("timing_s/", "perf/"))}
+
+    train(tiny_config(tmp_path), run_id="k", iterations=2)
+    before = history()
+    run = Run.at(str(tmp_path / "store" / "demo" / "k"))
+    for stage in uncommitted:
+        if run.is_committed(stage, 2):
+            shutil.rmtree(Path(run.url(stage, 2)))
+    run.set_latest(1)
+    assert not run.is_committed("update_actor", 2)
+    train(tiny_config(tmp_path), run_id="k", iterations=2)
+    assert run.latest() == 2 and run.is_committed("update_actor", 2)
+    assert history() == before  # the redone update's metrics equal the logged ones, logged once
+
+
+def test_a_store_far_behind_mlflow_is_refused(tmp_path):
+    import shutil
+
+    train(tiny_config(tmp_path), run_id="b", iterations=3)
+    run = Run.at(str(tmp_path / "store" / "demo" / "b"))
+    for iteration in (2, 3):
+        shutil.rmtree(Path(run.url("rollout", iteration)).parent)
+    run.set_latest(1)
+    with pytest.raises(TrainingRefused, match=r"recorded iterations up to 3, but the store at .* has LATEST=1 and "
+                                              r"lacks iteration 2's commits"):
+        train(tiny_config(tmp_path), run_id="b", iterations=3)
+
+
 # --- 11. S3 retry budget and read timeout ------------------------------------------------------------
 
 @pytest.fixture()

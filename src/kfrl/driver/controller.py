@@ -21,6 +21,7 @@ from kfrl.run import POLICY_STAGE, Run, registry_view
 from kfrl.stages import METRIC_ORDER, STAGES, TIMING_NAMES, plan, skip_reason
 from kfrl.store import Store
 
+FIRST_STAGE = STAGES[0]  # every iteration commits it before anything of the iteration is logged
 # Sections that say where and how a run executes, not what it computes: a resumed run takes them
 # from the current invocation, everything else from the stored config.
 EXECUTION_SECTIONS = ("store", "tracking", "pipeline", "cluster")
@@ -203,19 +204,24 @@ def check_iterations(run_id: str, latest: int | None, iterations: int | None) ->
 
 
 def check_store_matches_tracking(run: Run, run_id: str, latest: int | None, recorded: int, mlflow_run_id: str) -> None:
-    """Refuse to recompute what MLflow already recorded. The controller logs an iteration, then moves
-    LATEST, so MLflow may be one iteration ahead (a kill in between); more than that, or an iteration
-    MLflow has whose stages are not in the store, means the store was wiped or is not the run's."""
+    """Refuse to recompute what MLflow already recorded when the store is not the one the run wrote to.
+
+    The controller logs an iteration and then moves LATEST, once the commits it made in the background
+    (an update's weights, and the data stages that queued behind them) are durable. A kill in between
+    leaves MLflow ahead of LATEST with some of those stages uncommitted: on resume they run again (their
+    metrics are not logged twice, no version is registered twice), so that is no error. What a kill
+    cannot leave: MLflow with iterations while the store has none of them (wiped, or another store), or
+    more than one iteration ahead of a store that has not even started the iteration after LATEST."""
     done = latest or 0
     if recorded <= done:
         return
-    if recorded == done + 1 and run.is_committed(POLICY_STAGE, recorded):
-        return
-    raise TrainingRefused(
-        f"MLflow run {mlflow_run_id} of kfrl run {run_id} has recorded iterations up to {recorded}, but the store at "
-        f"{run.uri} has {'no LATEST' if latest is None else f'LATEST={latest}'} and lacks iteration {recorded}'s "
-        "commits: the store was wiped or replaced, or this is not the store the run wrote to. Nothing was "
-        "recomputed. Point --store at the run's store, or start a new run (without --run-id)")
+    started = run.is_committed(FIRST_STAGE, done + 1)
+    if (latest is None and not started) or (recorded > done + 1 and not started):
+        raise TrainingRefused(
+            f"MLflow run {mlflow_run_id} of kfrl run {run_id} has recorded iterations up to {recorded}, but the store at "
+            f"{run.uri} has {'no LATEST' if latest is None else f'LATEST={latest}'} and lacks iteration {done + 1}'s "
+            "commits: the store was wiped or replaced, or this is not the store the run wrote to. Nothing was "
+            "recomputed. Point --store at the run's store, or start a new run (without --run-id)")
 
 
 def resolve_total(run: Run, config: Config) -> Config:
