@@ -45,12 +45,48 @@ def workloads(vocab: int):
             ("256x256-half-early", prompts(64), early_eos)]
 
 
+def time_sampler(sample_and_record, rows: int = 256, vocab: int = 151936, repeats: int = 200) -> dict:
+    """Microseconds per call of a ``sample_and_record`` on random bf16 logits (rows, vocab), temperature
+    sampling and greedy, timed with CUDA events over ``repeats`` calls after a warm-up."""
+    import torch
+
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    seed = torch.tensor([3], device="cuda")
+    out = {}
+    for mode, greedy in (("sample", False), ("greedy", True)):
+        state = dict(finished=torch.zeros(rows, dtype=torch.bool, device="cuda"),
+                     sequence=torch.arange(rows, device="cuda"), tokens=torch.zeros(rows, dtype=torch.long, device="cuda"),
+                     positions=torch.zeros(rows, dtype=torch.long, device="cuda"),
+                     eos_table=torch.zeros(vocab, dtype=torch.bool, device="cuda"),
+                     out_tokens=torch.zeros((rows + 1, 2), dtype=torch.long, device="cuda"),
+                     out_logprobs=torch.zeros((rows + 1, 2), device="cuda"), column=torch.tensor([1], device="cuda"),
+                     longest=1, pad_id=0)
+
+        def call():
+            state["finished"].zero_()
+            sample_and_record(logits, temperature=1.0, greedy=greedy, seed=seed, **state)
+
+        for _ in range(5):
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        out[mode] = round(start.elapsed_time(end) * 1000 / repeats, 1)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--engines", default="hf,hf_static,torch")
     parser.add_argument("--workloads", default="256x256,512x256,256x256-half-early")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one torch decode")
+    parser.add_argument("--sampler-from", type=Path, default=None,
+                        help="a file with another sample_and_record (e.g. an earlier kfrl/engines/kernels.py): adds "
+                             "the engine torch_other_sampler (the torch decoder with it) and times both samplers alone")
     args = parser.parse_args()
 
     import torch
@@ -85,8 +121,23 @@ def main() -> None:
         torch.cuda.synchronize()
         results["torch_load_s"] = round(time.perf_counter() - t0, 2)
 
+    from kfrl.engines import kernels
+
+    own_sampler, other_sampler = kernels.sample_and_record, None
+    if args.sampler_from is not None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("other_kernels", args.sampler_from)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        other_sampler = other.sample_and_record
+        names.append("torch_other_sampler")
+        results["samplers_alone_us"] = {"own": time_sampler(own_sampler), "other": time_sampler(other_sampler)}
+        print(json.dumps(results["samplers_alone_us"]), flush=True)
+
     def engine_for(name: str, eos_ids: set[int]):
-        if name == "torch":
+        kernels.sample_and_record = other_sampler if name == "torch_other_sampler" else own_sampler
+        if name.startswith("torch"):
             return TorchRollout(decoder, eos_ids, tokenizer.pad_token_id)
         cache = "static" if name == "hf_static" else "dynamic"
         return HFRollout(hf_model, tokenizer, cache_implementation=cache, eos_ids=eos_ids)

@@ -149,6 +149,26 @@ CHECKS = textwrap.dedent(r"""
     assert torch.equal(st["finished"].cpu(), tokens == 3), "EOS marks the row finished"
     again = run(base.to(device=device, dtype=dtype).expand(draws, -1).contiguous(), greedy=False, temperature=0.7, seed=4)
     assert torch.equal(again["out_tokens"], st["out_tokens"]), "same seed, same samples"
+
+    # Sampling over several vocabulary slices (4 of 4096 here): the mass sits on 12 tokens spread over
+    # all of them, so finding the slice and then the token within it are both exercised.
+    vocab = 3 * 4096 + 100
+    hot = torch.tensor([5, 900, 4095, 4096, 5000, 8000, 8191, 8192, 9000, 12287, 12288, vocab - 1])
+    spread = torch.full((vocab,), -30.0)
+    spread[hot] = torch.randn(len(hot), generator=g)
+    st = run(spread.to(device=device, dtype=dtype).expand(draws, -1).contiguous(), greedy=False, temperature=0.9, seed=7)
+    tokens = st["out_tokens"][:draws, 3].cpu()
+    assert torch.isin(tokens, hot).all(), "a token of negligible probability was drawn"
+    probabilities = torch.softmax(spread.to(dtype).double() / 0.9, -1)
+    expected = probabilities[hot] / probabilities[hot].sum()
+    observed = (tokens[:, None] == hot[None, :]).double().mean(0)
+    chi2 = float((draws * (observed - expected) ** 2 / expected).sum())
+    assert chi2 < 11 + 5 * (2 * 11) ** 0.5 + 10, ("sampling chi2 over slices", chi2)  # 11 degrees of freedom
+    lp = torch.log_softmax(spread.to(dtype).double() / 0.9, -1)[tokens]
+    assert torch.allclose(st["out_logprobs"][:draws, 3].cpu().double(), lp, atol=lp_tol(spread / 0.9), rtol=0), \
+        "sampled logprob over slices"
+    st = run(spread.to(device=device, dtype=dtype).expand(3, -1).contiguous(), greedy=True)
+    assert (st["out_tokens"][:3, 3].cpu() == hot[spread[hot].argmax()]).all(), "greedy over slices"
     print("kernels ok")
 """)
 

@@ -9,10 +9,12 @@ more than reading the weights. These kernels bring a transformer block to about 
 - ``decode_attention``: one query token per sequence against the cache, the query heads of a KV
   head together (grouped-query attention without repeating K/V), online softmax over column blocks;
 - ``silu_mul``: the SwiGLU activation on the fused gate/up projection;
-- ``sample_and_record``: temperature sampling (Gumbel-max with in-kernel Philox noise) or greedy
+- ``sample_and_record``: temperature sampling (inverse CDF: one Philox uniform per row) or greedy
   choice, the chosen token's log-prob under log_softmax(logits / T) by an online log-sum-exp, and
-  the step's bookkeeping (output write, EOS check, next token and position), in two kernels over
-  vocabulary slices, so the (batch, vocab) logits are read once and never copied to fp32.
+  the step's bookkeeping (output write, EOS check, next token and position), in two kernels: the
+  first reduces vocabulary slices to their max and mass (and greedy's argmax), the second picks the
+  slice that holds the uniform's share of the total mass and scans only that slice, so the (batch,
+  vocab) logits are read about once and never copied to fp32.
 
 Every kernel has a PyTorch reference with the same signature; the CPU path runs the references, and
 the tests check each kernel against its reference (through Triton's interpreter where no GPU exists).
@@ -181,14 +183,15 @@ def sample_and_record(logits, *, temperature: float, greedy: bool, seed: torch.T
     splits = max(1, min(64, triton.cdiv(2048, rows), triton.cdiv(vocab, 4096)))
     block = 4096
     slice_size = triton.cdiv(triton.cdiv(vocab, splits), block) * block
-    partial = torch.empty((4, rows, splits), dtype=torch.float32, device=logits.device)
+    partial = torch.empty((2, rows, splits), dtype=torch.float32, device=logits.device)
     partial_index = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
-    _sample_partial_kernel[(rows, splits)](
-        logits, vocab, slice_size, 1.0 if greedy else 1.0 / temperature, seed, column, partial, partial_index,
-        splits, GREEDY=greedy, BLOCK=block, num_warps=8)
+    inv_temp = 1.0 if greedy else 1.0 / temperature
+    _sample_partial_kernel[(rows, splits)](logits, vocab, slice_size, inv_temp, partial, partial_index, splits,
+                                           GREEDY=greedy, BLOCK=block, num_warps=8)
     _sample_combine_kernel[(rows,)](
-        partial, partial_index, splits, rows, column, finished, sequence, tokens, positions, eos_table, out_tokens, out_logprobs,
-        out_tokens.stride(0), longest, pad_id, BLOCK_S=triton.next_power_of_2(splits))
+        logits, vocab, slice_size, inv_temp, seed, partial, partial_index, splits, rows, column, finished, sequence,
+        tokens, positions, eos_table, out_tokens, out_logprobs, out_tokens.stride(0), longest, pad_id, GREEDY=greedy,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK=block, num_warps=8)
 
 
 # --- Triton kernels -----------------------------------------------------------------------------------
@@ -316,58 +319,41 @@ if triton is not None:
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
     @triton.jit(do_not_specialize=["slice_size", "splits"])
-    def _sample_partial_kernel(logits_ptr, vocab, slice_size, inv_temp, seed_ptr, col_ptr, partial_ptr, index_ptr,
-                               splits, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+    def _sample_partial_kernel(logits_ptr, vocab, slice_size, inv_temp, partial_ptr, index_ptr, splits,
+                               GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+        # Per lane, an online max and sum of exponentials (reduced across lanes once, at the end); greedy
+        # also keeps each lane's first index of its max.
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         rows = tl.num_programs(0)
-        seed = tl.load(seed_ptr) + tl.load(col_ptr) * 1048576 + row
-        quarter: tl.constexpr = BLOCK // 4
-        offs = tl.arange(0, quarter)
-        running_max = tl.full((), float("-inf"), tl.float32)
-        running_sum = tl.full((), 0.0, tl.float32)
-        best_score = tl.full((), float("-inf"), tl.float32)
-        best_logit = tl.full((), 0.0, tl.float32)
-        best_index = tl.full((), 0, tl.int32)
+        offs = tl.arange(0, BLOCK)
+        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_sum = tl.zeros([BLOCK], tl.float32)
+        lane_index = tl.zeros([BLOCK], tl.int32)
         begin = part * slice_size
         for start in range(begin, begin + slice_size, BLOCK):
-            # One Philox call gives four uniforms: one per quarter of the block.
-            uniforms = tl.rand4x(seed, start // 4 + offs)
-            for j in tl.static_range(4):
-                idx = start + j * quarter + offs
-                mask = idx < vocab
-                x = tl.load(logits_ptr + row * vocab + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
-                new_max = tl.maximum(running_max, tl.max(x, axis=0))
-                safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-                weights = tl.exp(x - safe)
-                running_sum = running_sum * tl.exp(running_max - safe) + tl.sum(weights, axis=0)
-                running_max = new_max
-                if GREEDY:
-                    block_index = tl.argmax(x, axis=0)
-                    block_best = tl.max(x, axis=0)
-                else:
-                    # Gumbel-max as an exponential race: argmax x - log E (E ~ Exp(1)) is argmax
-                    # exp(x - max) / E, which needs one log per element (for E) instead of two.
-                    race = weights / -tl.log(uniforms[j])
-                    block_index = tl.argmax(race, axis=0)
-                    block_best = safe + tl.log(tl.max(race, axis=0))
-                block_logit = tl.sum(tl.where(offs == block_index, x, 0.0), axis=0)
-                better = block_best > best_score
-                best_score = tl.where(better, block_best, best_score)
-                best_logit = tl.where(better, block_logit, best_logit)
-                best_index = tl.where(better, start + j * quarter + block_index, best_index)
+            idx = start + offs
+            x = tl.load(logits_ptr + row * vocab + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_temp
+            new_max = tl.maximum(lane_max, x)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            lane_sum = lane_sum * tl.exp(lane_max - safe) + tl.exp(x - safe)
+            if GREEDY:
+                lane_index = tl.where(x > lane_max, idx, lane_index)
+            lane_max = new_max
+        slice_max = tl.max(lane_max, axis=0)
+        safe_max = tl.where(slice_max == float("-inf"), 0.0, slice_max)
         at = row * splits + part
         plane = rows * splits
-        tl.store(partial_ptr + at, running_max)
-        tl.store(partial_ptr + plane + at, running_sum)
-        tl.store(partial_ptr + 2 * plane + at, best_score)
-        tl.store(partial_ptr + 3 * plane + at, best_logit)
-        tl.store(index_ptr + at, best_index)
+        tl.store(partial_ptr + at, slice_max)
+        tl.store(partial_ptr + plane + at, tl.sum(lane_sum * tl.exp(lane_max - safe_max), axis=0))
+        if GREEDY:  # the first index holding the slice's max (argmax's tie rule)
+            tl.store(index_ptr + at, tl.min(tl.where(lane_max == slice_max, lane_index, 2147483647), axis=0))
 
-    @triton.jit(do_not_specialize=["splits", "rows", "out_stride", "longest"])
-    def _sample_combine_kernel(partial_ptr, index_ptr, splits, rows, col_ptr, finished_ptr, sequence_ptr, tokens_ptr,
-                               positions_ptr, eos_table_ptr, out_tok_ptr, out_lp_ptr, out_stride, longest, pad_id,
-                               BLOCK_S: tl.constexpr):
+    @triton.jit(do_not_specialize=["vocab", "slice_size", "splits", "rows", "out_stride", "longest"])
+    def _sample_combine_kernel(logits_ptr, vocab, slice_size, inv_temp, seed_ptr, partial_ptr, index_ptr, splits, rows,
+                               col_ptr, finished_ptr, sequence_ptr, tokens_ptr, positions_ptr, eos_table_ptr, out_tok_ptr,
+                               out_lp_ptr, out_stride, longest, pad_id, GREEDY: tl.constexpr, BLOCK_S: tl.constexpr,
+                               BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         s = tl.arange(0, BLOCK_S)
         mask = s < splits
@@ -375,21 +361,46 @@ if triton is not None:
         at = row * splits + s
         maxima = tl.load(partial_ptr + at, mask=mask, other=float("-inf"))
         sums = tl.load(partial_ptr + plane + at, mask=mask, other=0.0)
-        scores = tl.load(partial_ptr + 2 * plane + at, mask=mask, other=float("-inf"))
-        logits = tl.load(partial_ptr + 3 * plane + at, mask=mask, other=0.0)
-        indices = tl.load(index_ptr + at, mask=mask, other=0)
         top = tl.max(maxima, axis=0)
-        log_norm = top + tl.log(tl.sum(sums * tl.exp(maxima - top), axis=0))
-        winner = tl.argmax(scores, axis=0)
-        logprob = tl.sum(tl.where(s == winner, logits, 0.0), axis=0) - log_norm
-        choice = tl.sum(tl.where(s == winner, indices, 0), axis=0).to(tl.int64)
+        mass = tl.where(maxima == float("-inf"), 0.0, sums * tl.exp(maxima - top))  # each slice's, scaled by e^-top
+        total = tl.sum(mass, axis=0)
+        log_norm = top + tl.log(total)
         column = tl.load(col_ptr)
+        if GREEDY:
+            winner = tl.min(tl.where(maxima == top, s, BLOCK_S), axis=0)
+            choice = tl.sum(tl.where(s == winner, tl.load(index_ptr + at, mask=mask, other=0), 0), axis=0).to(tl.int64)
+        else:
+            # Inverse CDF: one uniform per row; u * total is found first among the slices' masses, then
+            # within the slice that holds it by a running sum over its tokens.
+            u = tl.rand(tl.load(seed_ptr) + column * 1048576, row)
+            target = u * total
+            cumulative = tl.cumsum(mass, axis=0)
+            picked = tl.min(tl.where((cumulative > target) & (mass > 0), s, BLOCK_S), axis=0)
+            last = tl.max(tl.where(mass > 0, s, -1), axis=0)
+            picked = tl.where(picked == BLOCK_S, last, picked)  # u * total rounded past the last slice
+            remaining = target - tl.sum(tl.where(s < picked, mass, 0.0), axis=0)
+            offs = tl.arange(0, BLOCK)
+            running = tl.full((), 0.0, tl.float32)
+            choice = tl.full((), 2147483647, tl.int64)
+            fallback = tl.full((), -1, tl.int64)  # the slice's last token of positive weight
+            begin = picked.to(tl.int64) * slice_size
+            for start in range(0, slice_size, BLOCK):
+                idx = begin + start + offs
+                valid = idx < vocab
+                x = tl.load(logits_ptr + row * vocab + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+                weights = tl.where(valid, tl.exp(x - top), 0.0)
+                crossed = ((running + tl.cumsum(weights, axis=0)) > remaining) & (weights > 0)
+                choice = tl.minimum(choice, tl.min(tl.where(crossed, idx, 2147483647), axis=0))
+                fallback = tl.maximum(fallback, tl.max(tl.where(weights > 0, idx, -1), axis=0))
+                running += tl.sum(weights, axis=0)
+            choice = tl.where(choice == 2147483647, fallback, choice)
+        logit = tl.load(logits_ptr + row * vocab + choice).to(tl.float32) * inv_temp
         done = tl.load(finished_ptr + row)
         token = tl.where(done, pad_id, choice)
-        logprob = tl.where(done, 0.0, logprob)
-        target = tl.load(sequence_ptr + row) * out_stride + (column - longest + 1)
-        tl.store(out_tok_ptr + target, token)
-        tl.store(out_lp_ptr + target, logprob)
+        logprob = tl.where(done, 0.0, logit - log_norm)
+        slot = tl.load(sequence_ptr + row) * out_stride + (column - longest + 1)
+        tl.store(out_tok_ptr + slot, token)
+        tl.store(out_lp_ptr + slot, logprob)
         tl.store(finished_ptr + row, done | tl.load(eos_table_ptr + token))
         tl.store(tokens_ptr + row, token)
         tl.store(positions_ptr + row, tl.load(positions_ptr + row) + 1)
