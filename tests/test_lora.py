@@ -112,14 +112,82 @@ def test_adapters_off_are_the_base_and_every_merged_copy_is_base_plus_adapter():
         copy = context._inference_copy("policy", model, torch.float64)
         assert all(torch.equal(copy.state_dict()[n], merged[n]) for n in merged)
         torch.testing.assert_close(copy(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-9, atol=1e-9)
-        decoder = context._inference_copy("decoder", model, torch.float64)
-        plain = tiny()
-        plain.load_state_dict(merged)
-        assert all(torch.equal(x, y) for x, y in zip(decoder.tensors(), Decoder.from_hf_model(plain).tensors()))
         loaded = tiny()
         merge_into(loaded, adapter_state(model), 2.0)
         for name, tensor in loaded.state_dict().items():
             torch.testing.assert_close(tensor, merged[name], rtol=1e-12, atol=1e-14)
+
+
+def storage(t: torch.Tensor) -> tuple:
+    return t.device.type, t.untyped_storage().data_ptr()
+
+
+def sampled(decoder, tokenizer, seed: int = 5):
+    from kfrl.engines.rollout import SamplingParams
+    from kfrl.engines.rollout_torch import TorchRollout
+
+    prompts = [tokenizer.encode(text) for text in ("12+7=", "3*4=", "100-58=", "9+9+9=")]
+    engine = TorchRollout(decoder, {tokenizer.eos_token_id}, tokenizer.pad_token_id)
+    return engine.generate_responses(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=1.3), seed=seed)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "v_proj", "up_proj")])
+def test_the_rollout_decoder_of_a_lora_copy_shares_its_base_and_samples_base_plus_adapter(targets):
+    """The torch decoder an update hands to the rollout adds no copy of the frozen base: it holds views
+    of the base's own memory plus the low-rank factors, and samples what a decoder of the merged
+    weights samples (float64: the same tokens, log-probs to 1e-9). A process that loads the saved
+    adapter over the base builds the same decoder, tensor for tensor."""
+    from kfrl.engines.decoder import Decoder, LowRank
+    from kfrl.models.hf_io import load_tokenizer
+    from kfrl.models.lora import decoder_over_base
+
+    model = with_trained_adapter(LoraSpec(rank=4, alpha=8.0, target_modules=targets))
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        decoder = context._inference_copy("decoder", model, torch.float64)
+        assert torch.equal(model(input_ids=ids).logits, before)  # the base moved in memory, not in value
+
+    base_storages = {storage(p) for n, p in model.named_parameters() if not p.requires_grad}
+    factors = {id(t) for b in decoder.blocks for f in ("qkv_lora", "o_lora", "gate_up_lora", "down_lora")
+               if isinstance(getattr(b, f), LowRank) for t in (getattr(b, f).down, getattr(b, f).up)}
+    own = [t for t in decoder.tensors() if id(t) not in factors and storage(t) not in base_storages]
+    assert own == [], [tuple(t.shape) for t in own]
+    assert sum(t.numel() for t in decoder.tensors() if id(t) in factors) < 0.2 * sum(
+        p.numel() for p in model.parameters())
+    block = decoder.blocks[0]
+    assert block.qkv_weight.data_ptr() == factors_of(model, "model.layers.0.self_attn.q_proj.weight").data_ptr()
+
+    tokenizer = load_tokenizer(materialize_builtin("builtin:tiny-qwen2-arith"))
+    plain = tiny()
+    plain.load_state_dict(merged_state(model))
+    ours, merged = sampled(decoder, tokenizer), sampled(Decoder.from_hf_model(plain), tokenizer)
+    assert [g.response_ids for g in ours] == [g.response_ids for g in merged]
+    for a, b in zip(ours, merged):
+        torch.testing.assert_close(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs),
+                                   rtol=0, atol=1e-9)
+    assert sum(len(g.response_ids) for g in ours) > 8 * 4  # the adapters were exercised over many steps
+
+    loaded = decoder_over_base(tiny(), adapter_state(model), 2.0, torch.float64)
+    assert all(torch.equal(x, y) for x, y in zip(loaded.tensors(), decoder.tensors()))
+    assert [g.response_ids for g in sampled(loaded, tokenizer)] == [g.response_ids for g in ours]
+
+
+def factors_of(model, weight_name: str) -> torch.Tensor:
+    return factors(model, weight_name)[0]
+
+
+def test_only_frozen_weights_are_laid_back_to_back():
+    from kfrl.engines.decoder import lay_back_to_back
+
+    model = tiny()
+    params = dict(model.named_parameters())
+    with pytest.raises(ValueError, match="q_proj.weight is trained"):
+        lay_back_to_back(params, model.config.num_hidden_layers)
+    model.requires_grad_(False)
+    layers = model.config.num_hidden_layers
+    assert lay_back_to_back(params, layers) == 3 * layers  # q/k/v weights, q/k/v biases, gate/up
+    assert lay_back_to_back(params, layers) == 0
 
 
 def adapter(run: Run, stage: str, iteration: int) -> dict[str, torch.Tensor]:

@@ -3,7 +3,10 @@ straight from an HF checkpoint: the model behind the ``torch`` rollout backend.
 
 What differs from the HF modules is only what makes decoding cheap: q/k/v and gate/up projections
 fused into one matrix each (two GEMMs per block instead of five), rotary tables precomputed once,
-and a decode step that attends over a preallocated KV cache. Which optional tensors a checkpoint
+and a decode step that attends over a preallocated KV cache. Over a LoRA model the decoder shares the
+frozen base's tensors (the base's q/k/v and gate/up weights are laid back to back in their memory once,
+so the fused matrices are views of them) and adds the adapters as low-rank updates, ``x A^T (s B)^T``,
+so a rollout holds no second copy of the base. Which optional tensors a checkpoint
 carries (q/k/v bias in Qwen2, q/k norms in Qwen3, attention bias in some Llamas) is read from the
 checkpoint itself, so no per-family flag can disagree with the weights.
 """
@@ -96,6 +99,15 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 @dataclass
+class LowRank:
+    """A low-rank update added to a (fused) projection's output, ``x @ down.T @ up.T``: the LoRA factors
+    of the projections it fuses, their A stacked in ``down`` (R, in) and their scaled B, ``(alpha/r) B``,
+    on the block diagonal of ``up`` (out, R); a projection without an adapter has zero rows in ``up``."""
+    down: torch.Tensor
+    up: torch.Tensor
+
+
+@dataclass
 class Block:
     input_norm: torch.Tensor
     qkv_weight: torch.Tensor            # (q_size + 2 kv_size, hidden)
@@ -107,6 +119,67 @@ class Block:
     post_norm: torch.Tensor
     gate_up_weight: torch.Tensor        # (2 intermediate, hidden)
     down_weight: torch.Tensor
+    qkv_lora: LowRank | None = None     # the adapters of a LoRA model, per fused projection
+    o_lora: LowRank | None = None
+    gate_up_lora: LowRank | None = None
+    down_lora: LowRank | None = None
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, plus the low-rank update when there is one (added in place)."""
+    y = F.linear(x, weight, bias)
+    if low_rank is not None:
+        inner = F.linear(x, low_rank.down)
+        y.view(-1, y.shape[-1]).addmm_(inner.view(-1, inner.shape[-1]), low_rank.up.t())
+    return y
+
+
+def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over ``parts`` (stacked along dim 0) when they already lie back to back in one
+    memory block, as a view (nothing copied); None otherwise."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for part in parts:
+        if (part.device != first.device or part.dtype != first.dtype or not part.is_contiguous()
+                or part.shape[1:] != first.shape[1:] or part.storage_offset() != offset
+                or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        offset += part.numel()
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def fused_groups(n_layers: int) -> list[list[str]]:
+    """The HF parameter names the decoder fuses into one matrix, per group (q/k/v weights and biases,
+    gate/up weights of every layer)."""
+    groups = []
+    for i in range(n_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        groups += [[attn + f"{x}_proj.weight" for x in "qkv"], [attn + f"{x}_proj.bias" for x in "qkv"],
+                   [mlp + "gate_proj.weight", mlp + "up_proj.weight"]]
+    return groups
+
+
+def lay_back_to_back(params: dict[str, torch.nn.Parameter], n_layers: int) -> int:
+    """Move each fused group's parameters (``fused_groups``) into one memory block, in place (each
+    parameter's ``data`` becomes a view of it; values unchanged), so that a decoder built over them
+    shares their memory. Groups already so laid out are left alone; returns the groups moved. For
+    frozen weights only: a tensor an optimizer holds would lose its link to the parameter."""
+    moved = 0
+    with torch.no_grad():
+        for names in fused_groups(n_layers):
+            parts = [params.get(name) for name in names]
+            if any(p is None for p in parts) or _back_to_back([p.data for p in parts]) is not None:
+                continue
+            if any(p.requires_grad for p in parts):
+                raise ValueError(f"{names[0]} is trained: only frozen weights may be moved")
+            block = torch.cat([p.data.reshape(p.shape[0], -1) for p in parts])
+            row = 0
+            for p in parts:
+                p.data = block[row:row + p.shape[0]].view(p.shape)
+                row += p.shape[0]
+            moved += 1
+    return moved
 
 
 class Decoder:
@@ -134,10 +207,15 @@ class Decoder:
 
     # --- loading ----------------------------------------------------------------------------------
     @classmethod
-    def from_tensors(cls, config, get: Callable[[str], torch.Tensor | None], *, device, dtype) -> "Decoder":
+    def from_tensors(cls, config, get: Callable[[str], torch.Tensor | None], *, device, dtype,
+                     low_rank: dict[str, tuple[torch.Tensor, torch.Tensor, float]] | None = None) -> "Decoder":
         """Builds the decoder from HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...);
-        ``get`` returns a tensor or None when the checkpoint has no such tensor."""
+        ``get`` returns a tensor or None when the checkpoint has no such tensor. Tensors already in
+        ``device`` and ``dtype`` are used as they are (and a fused group laid back to back as a view).
+        ``low_rank``: LoRA adapters, {weight name: (A, B, scaling)}, added to the projections as low-rank
+        updates (and merged into a copy of any other weight they name)."""
         spec = spec_from_config(config)
+        adapters = dict(low_rank or {})
 
         def tensor(name: str, required: bool = True) -> torch.Tensor | None:
             value = get(name)
@@ -145,6 +223,10 @@ class Decoder:
                 if required:
                     raise _unsupported(f"the checkpoint has no tensor {name!r}")
                 return None
+            if name in adapters:  # an adapted weight outside the fused projections (e.g. an LM head)
+                a, b, scaling = adapters.pop(name)
+                wide = torch.promote_types(value.dtype, torch.float32)
+                value = value.to(wide) + ((b.to(wide) @ a.to(wide)) * scaling).to(value.device)
             return value.to(device=device, dtype=dtype)
 
         def cat(*parts):
@@ -153,7 +235,25 @@ class Decoder:
                 return None
             if len(present) != len(parts):
                 raise _unsupported("the checkpoint has biases on some but not all of q/k/v")
-            return torch.cat(present)
+            fused = _back_to_back(present)
+            return fused if fused is not None else torch.cat(present)
+
+        def adapters_of(*names: str) -> LowRank | None:
+            found = [adapters.pop(name, None) for name in names]
+            if all(f is None for f in found):
+                return None
+            sizes = [get(name).shape[0] for name in names]
+            down = torch.cat([a for a, _b, _s in filter(None, found)]).to(device=device, dtype=dtype)
+            up = torch.zeros(sum(sizes), down.shape[0], device=device, dtype=dtype)
+            row = column = 0
+            for factors, size in zip(found, sizes):
+                if factors is not None:
+                    a, b, scaling = factors
+                    wide = torch.promote_types(b.dtype, torch.float32)
+                    up[row:row + size, column:column + a.shape[0]] = b.to(wide) * scaling
+                    column += a.shape[0]
+                row += size
+            return LowRank(down, up)
 
         blocks = []
         for i in range(spec.n_layers):
@@ -161,6 +261,11 @@ class Decoder:
             attn = p + "self_attn."
             if get(p + "mlp.gate_proj.bias") is not None:
                 raise _unsupported("MLP biases are not supported")
+            # The projections' adapters first, so that ``tensor`` merges none of them into a copy.
+            low_ranks = dict(qkv_lora=adapters_of(*(attn + f"{x}_proj.weight" for x in "qkv")),
+                             o_lora=adapters_of(attn + "o_proj.weight"),
+                             gate_up_lora=adapters_of(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                             down_lora=adapters_of(p + "mlp.down_proj.weight"))
             blocks.append(Block(
                 input_norm=tensor(p + "input_layernorm.weight"),
                 qkv_weight=cat(*(tensor(attn + f"{x}_proj.weight") for x in "qkv")),
@@ -171,14 +276,17 @@ class Decoder:
                 o_bias=tensor(attn + "o_proj.bias", required=False),
                 post_norm=tensor(p + "post_attention_layernorm.weight"),
                 gate_up_weight=cat(tensor(p + "mlp.gate_proj.weight"), tensor(p + "mlp.up_proj.weight")),
-                down_weight=tensor(p + "mlp.down_proj.weight")))
+                down_weight=tensor(p + "mlp.down_proj.weight"), **low_ranks))
         embed = tensor("model.embed_tokens.weight")
         # Tied: one tensor, as in HF (whatever the source holds under lm_head.weight).
         lm_head = embed if spec.tie_word_embeddings else tensor("lm_head.weight", required=False)
         if lm_head is None:
             raise _unsupported("the checkpoint has no lm_head.weight and does not tie word embeddings")
+        norm = tensor("model.norm.weight")
+        if adapters:
+            raise ValueError(f"the adapter names weights the torch decoder has no place for: {sorted(adapters)[:3]}")
         inv_freq, scaling = rope_frequencies(config, spec.head_dim)
-        return cls(spec, embed, blocks, tensor("model.norm.weight"), lm_head, inv_freq.to(device), scaling)
+        return cls(spec, embed, blocks, norm, lm_head, inv_freq.to(device), scaling)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device="cpu", dtype=torch.bfloat16) -> "Decoder":
@@ -212,10 +320,13 @@ class Decoder:
                                     device=first.device, dtype=dtype or first.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every weight tensor, in a fixed order (a tied lm_head appears once, as the embedding)."""
+        """Every weight tensor, in a fixed order (a tied lm_head appears once, as the embedding; a low-rank
+        update as its two factors)."""
         found = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for block in self.blocks:
-            found += [getattr(block, f.name) for f in dataclasses.fields(block) if getattr(block, f.name) is not None]
+            for field in dataclasses.fields(block):
+                value = getattr(block, field.name)
+                found += [value.down, value.up] if isinstance(value, LowRank) else [] if value is None else [value]
         return found
 
     # --- shared pieces ----------------------------------------------------------------------------
@@ -234,8 +345,8 @@ class Decoder:
         return kernels.rms_norm_ref(x, weight, self.spec.rms_norm_eps)
 
     def _mlp(self, block: Block, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(self._norm(x, block.post_norm), block.gate_up_weight)
-        return x + F.linear(kernels.silu_mul_ref(gate_up), block.down_weight)
+        gate_up = project(self._norm(x, block.post_norm), block.gate_up_weight, None, block.gate_up_lora)
+        return x + project(kernels.silu_mul_ref(gate_up), block.down_weight, None, block.down_lora)
 
     # --- passes -----------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor,
@@ -252,7 +363,7 @@ class Decoder:
         mask = mask.unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         for layer, block in enumerate(self.blocks):
-            qkv = F.linear(self._norm(x, block.input_norm), block.qkv_weight, block.qkv_bias)
+            qkv = project(self._norm(x, block.input_norm), block.qkv_weight, block.qkv_bias, block.qkv_lora)
             q, k, v = kernels.split_rotated_qkv(qkv, cos, sin, block.q_norm, block.k_norm, s.rms_norm_eps,
                                                 s.n_heads, s.n_kv_heads, s.head_dim)
             k, v = k.transpose(1, 2), v.transpose(1, 2)          # (P, kv_heads, S, hd)
@@ -260,7 +371,7 @@ class Decoder:
             kv_out[layer, 1].copy_(v)
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                   enable_gqa=s.n_kv_heads != s.n_heads)
-            x = x + F.linear(attn.transpose(1, 2).flatten(-2), block.o_weight, block.o_bias)
+            x = x + project(attn.transpose(1, 2).flatten(-2), block.o_weight, block.o_bias, block.o_lora)
             x = self._mlp(block, x)
         return F.linear(self._norm(x[:, -1], self.norm), self.lm_head)
 
@@ -282,7 +393,7 @@ class Decoder:
         mask = torch.cat([old, new], dim=-1).unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         for layer, block in enumerate(self.blocks):
-            qkv = F.linear(self._norm(x, block.input_norm), block.qkv_weight, block.qkv_bias)
+            qkv = project(self._norm(x, block.input_norm), block.qkv_weight, block.qkv_bias, block.qkv_lora)
             q, k, v = kernels.split_rotated_qkv(qkv, cos, sin, block.q_norm, block.k_norm, s.rms_norm_eps,
                                                 s.n_heads, s.n_kv_heads, s.head_dim)
             cache[layer, 0, :b, :, start:start + length] = k.transpose(1, 2)
@@ -290,7 +401,7 @@ class Decoder:
             keys, values = cache[layer, 0, :b, :, :start + length], cache[layer, 1, :b, :, :start + length]
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                   enable_gqa=s.n_kv_heads != s.n_heads)
-            x = x + F.linear(attn.transpose(1, 2).flatten(-2), block.o_weight, block.o_bias)
+            x = x + project(attn.transpose(1, 2).flatten(-2), block.o_weight, block.o_bias, block.o_lora)
             x = self._mlp(block, x)
         return F.linear(self._norm(x[:, -1], self.norm), self.lm_head)
 
@@ -307,13 +418,14 @@ class Decoder:
         delta = None
         for layer, block in enumerate(self.blocks):
             x, h = kernels.add_rms_norm(x, delta, block.input_norm, eps)
-            qkv = F.linear(h, block.qkv_weight, block.qkv_bias)
+            qkv = project(h, block.qkv_weight, block.qkv_bias, block.qkv_lora)
             keys, values = cache[layer, 0, :b], cache[layer, 1, :b]
             q = kernels.rope_to_cache(qkv, positions, cos_table, sin_table, block.q_norm, block.k_norm, eps,
                                       keys, values, column, s.n_heads, s.n_kv_heads, s.head_dim)
             attn = kernels.decode_attention(q, keys, values, attn_bias)
-            delta = F.linear(attn, block.o_weight, block.o_bias)
+            delta = project(attn, block.o_weight, block.o_bias, block.o_lora)
             x, h = kernels.add_rms_norm(x, delta, block.post_norm, eps)
-            delta = F.linear(kernels.silu_mul(F.linear(h, block.gate_up_weight)), block.down_weight)
+            delta = project(kernels.silu_mul(project(h, block.gate_up_weight, None, block.gate_up_lora)), block.down_weight,
+                            None, block.down_lora)
         _, h = kernels.add_rms_norm(x, delta, self.norm, eps)
         return F.linear(h, self.lm_head)

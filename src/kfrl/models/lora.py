@@ -209,5 +209,45 @@ def merged_state(model, dtype: torch.dtype | None = None) -> dict[str, torch.Ten
     return state
 
 
+# --- the torch decoder over the base ----------------------------------------------------------------
+def decoder_over_adapters(model, dtype: torch.dtype):
+    """The torch rollout decoder of a PEFT training copy: it shares the frozen base's tensors (where
+    they are in ``dtype`` already; the q/k/v and gate/up weights are laid back to back in place once)
+    and applies the current adapters as low-rank updates, so it adds no copy of the base."""
+    from peft.tuners.lora import LoraLayer
+
+    base = base_model_of(model)
+    factors = {f"{name}.weight": (module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach(),
+                                  module.scaling["default"])
+               for name, module in base.named_modules() if isinstance(module, LoraLayer) and "default" in module.lora_A}
+    params = {}
+    for name, param in base.named_parameters():
+        if ".lora_" not in name and ".original_module." not in name:
+            params[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = param
+    return _decoder_with_factors(base, params, factors, dtype)
+
+
+def decoder_over_base(base, adapter: Mapping[str, torch.Tensor], scaling: float, dtype: torch.dtype):
+    """The torch rollout decoder of a saved adapter (``read_adapter``) over ``base`` (a plain transformers
+    model, frozen here), built as ``decoder_over_adapters`` builds it, so both give the same rollouts."""
+    factors, whole = weight_updates(adapter)
+    params = dict(base.requires_grad_(False).named_parameters())
+    params.update(whole)
+    return _decoder_with_factors(base, params, {name: (a, b, scaling) for name, (a, b) in factors.items()}, dtype)
+
+
+def _decoder_with_factors(base, params: dict, factors: dict, dtype: torch.dtype):
+    from kfrl.engines.decoder import Decoder, lay_back_to_back
+
+    if "lm_head.weight" not in params and getattr(base.config, "tie_word_embeddings", False):
+        params["lm_head.weight"] = base.get_output_embeddings().weight
+    device = next(iter(params.values())).device
+    with torch.no_grad():
+        if all(p.dtype == dtype for p in params.values() if p.is_floating_point()):
+            lay_back_to_back(params, base.config.num_hidden_layers)
+        return Decoder.from_tensors(base.config, lambda name: params[name].detach() if name in params else None,
+                                    device=device, dtype=dtype, low_rank=factors)
+
+
 def trained_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

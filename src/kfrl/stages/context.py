@@ -195,16 +195,25 @@ class StageContext:
     def _load_merged(self, manifest: Manifest, load, **kwargs):
         """``load(folder, dtype=compute dtype, device=...)`` of a full checkpoint, or of an adapter commit's
         base (the run's initial commit of the same stage) with the adapter merged into it."""
-        from kfrl.models.lora import merge_into, read_adapter
+        from kfrl.models.lora import merge_into
+
+        model, adapter, scaling = self._load_base_and_adapter(manifest, load, **kwargs)
+        if adapter is not None:
+            merge_into(model, adapter, scaling)
+        return model
+
+    def _load_base_and_adapter(self, manifest: Manifest, load, **kwargs):
+        """(model, adapter, scaling): a full checkpoint loaded with ``load`` (compute dtype, this device)
+        and (None, None), or an adapter commit's base (the run's initial commit of the same stage) and
+        its adapter (``read_adapter``)."""
+        from kfrl.models.lora import read_adapter
 
         if not manifest.info.get("adapter"):
-            return load(self.checkpoint_dir(manifest), dtype=self.compute_dtype, device=self.device, **kwargs)
+            return load(self.checkpoint_dir(manifest), dtype=self.compute_dtype, device=self.device, **kwargs), None, None
         stage = split_stage_prefix(manifest.prefix)[1]
         model = load(self.checkpoint_dir(self.checkpoint_manifest(stage, INIT_ITERATION)), dtype=self.compute_dtype,
                      device=self.device, **kwargs)
-        adapter, scaling = read_adapter(self.checkpoint_dir(manifest), device=self.device)
-        merge_into(model, adapter, scaling)
-        return model
+        return (model, *read_adapter(self.checkpoint_dir(manifest), device=self.device))
 
     def rollout_engine(self, manifest: Manifest, *, micro_batch_size: int | None = None):
         """The configured rollout backend (``kfrl.engines.rollout``) holding ``manifest``'s weights;
@@ -241,10 +250,11 @@ class StageContext:
         from kfrl.engines.rollout_torch import TorchRollout
 
         def load_decoder():
-            if manifest.info.get("adapter"):  # built from the merged weights, never from files
+            if manifest.info.get("adapter"):  # the base with the adapter as low-rank updates, as a hand-off builds it
                 from kfrl.models.hf_io import load_causal_lm
+                from kfrl.models.lora import decoder_over_base
 
-                return Decoder.from_hf_model(self._load_merged(manifest, load_causal_lm), dtype=self.compute_dtype)
+                return decoder_over_base(*self._load_base_and_adapter(manifest, load_causal_lm), self.compute_dtype)
             return Decoder.from_pretrained(self.checkpoint_dir(manifest), device=self.device, dtype=self.compute_dtype)
 
         decoder = _cached(self._model_key("decoder", manifest.prefix, manifest.attempt), load_decoder,
@@ -323,7 +333,7 @@ class StageContext:
             if kind not in released and not beside_reference:
                 continue  # this process has not used weights of this kind: nothing to keep current
             with torch.no_grad():
-                if merged is None and is_lora_model(model):
+                if merged is None and is_lora_model(model) and kind != "decoder":
                     merged = merged_state(model)
                 copy = _inference_copy(kind, model, self.compute_dtype, merged)
             _cached(self._model_key(kind, prefix, attempt), lambda: copy, slot=slot)
@@ -349,14 +359,16 @@ def _inference_copy(kind: str, model, dtype, state: dict | None = None):
     would build it (buffers such as rotary frequencies computed, not cast), then given its weights."""
     import torch
 
-    from kfrl.models.lora import base_model_of, is_lora_model, merged_state
+    from kfrl.models.lora import base_model_of, decoder_over_adapters, is_lora_model, merged_state
 
-    if state is None and is_lora_model(model):
-        state = merged_state(model)
     if kind == "decoder":
         from kfrl.engines.decoder import Decoder
 
-        return Decoder.from_hf_model(base_model_of(model), dtype=dtype, state=state)
+        if is_lora_model(model):  # over the training copy's own base: no second copy of it
+            return decoder_over_adapters(model, dtype)
+        return Decoder.from_hf_model(model, dtype=dtype, state=state)
+    if state is None and is_lora_model(model):
+        state = merged_state(model)
     base = base_model_of(model)
     device = next(model.parameters()).device
     with torch.device(device):
