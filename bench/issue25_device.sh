@@ -5,7 +5,8 @@
 # part lean / lean15: 0.5B / 1.5B, kfrl's leanest full fine-tune against TRL's bf16 run;
 # part mem05 / mem15: 0.5B / 1.5B at TRL's precision, with and without actor.use_liger, against TRL's bf16 run;
 # part 15: 1.5B shape (kfrl full / bf16+AdamW8bit+checkpointing / offload, TRL full) and the GPU tests;
-# part 7b: 7B shape, LoRA only (kfrl with and without actor.use_liger, TRL + PEFT).
+# part 7b: 7B shape, LoRA only (kfrl with and without actor.use_liger, TRL + PEFT); part lean7b: the same with
+# gradient checkpointing on both sides.
 # Every run is the TRL workload (64 prompts x 4 samples, 133 + 256 tokens, one optimizer step).
 set -u
 part=$1; out=$2
@@ -53,5 +54,10 @@ case $part in
     KFRL_LIMIT=${KFRL_LIMIT:-200} kfrl lora_liger --iterations 4 $lora actor.ppo_micro_batch_size_per_gpu=8 \
       actor.use_liger=true --keep-weights 1
     TRL_LIMIT=${TRL_LIMIT:-270} trl lora --steps 3 --micro 8 --lora-rank 64 --lora-alpha 128 ;;
+  lean7b)  # 7B LoRA with gradient checkpointing on both sides (TRL's default) and liger-kernel's kernels
+    KFRL_LIMIT=${KFRL_LIMIT:-150} kfrl lora_ckpt_liger --iterations 3 $lora actor.ppo_micro_batch_size_per_gpu=8 \
+      actor.gradient_checkpointing=true actor.use_liger=true --keep-weights 1
+    TRL_LIMIT=${TRL_LIMIT:-200} trl lora --steps 3 --micro 8 --lora-rank 64 --lora-alpha 128 ;;
 esac
+rm -rf "$model"  # a 7B shape is 15 GB: parts run one after another on one machine's 64 GiB disk
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -177,6 +177,42 @@ def factors_of(model, weight_name: str) -> torch.Tensor:
     return factors(model, weight_name)[0]
 
 
+def test_a_registered_versions_merged_weights_leave_the_device_one_at_a_time(monkeypatch):
+    """The merged model of an iteration that registers a version is built weight by weight into host
+    memory: when a merged weight is computed, no earlier one is still held (a whole merged state on the
+    accelerator is another base: an out-of-memory at exactly the iterations that register). Values and
+    tied tensors are merged_state's."""
+    import weakref
+
+    from kfrl.models import lora
+    from kfrl.models.lora import merged_state_on_host
+
+    model = with_trained_adapter()
+    computed, alive_at_each = [], []
+    merge = lora.merged_weight
+
+    def tracked(*args):
+        alive_at_each.append(sum(ref() is not None for ref in computed))
+        result = merge(*args)
+        computed.append(weakref.ref(result))
+        return result
+
+    monkeypatch.setattr(lora, "merged_weight", tracked)
+    on_host = merged_state_on_host(model, torch.float32)
+    assert len(alive_at_each) == 7 * model.config.num_hidden_layers and max(alive_at_each) == 0
+    monkeypatch.setattr(lora, "merged_weight", merge)
+    expected = merged_state(model, torch.float32)
+    assert on_host.keys() == expected.keys()
+    assert all(torch.equal(on_host[k], expected[k]) for k in expected)
+    if model.config.tie_word_embeddings:
+        assert on_host["lm_head.weight"] is on_host["model.embed_tokens.weight"]
+    # merged_state itself holds them all at once: what the check above would catch.
+    alive_at_each.clear(), computed.clear()
+    monkeypatch.setattr(lora, "merged_weight", tracked)
+    merged_state(model)
+    assert max(alive_at_each) > 1
+
+
 def test_only_frozen_weights_are_laid_back_to_back():
     from kfrl.engines.decoder import lay_back_to_back
 

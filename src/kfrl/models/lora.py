@@ -190,6 +190,30 @@ def merge_into(model, adapter: Mapping[str, torch.Tensor], scaling: float) -> in
 def merged_state(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A PEFT training copy's weights as the plain model's state dict (the base's names) with every
     adapter merged: what an inference copy of the policy or the critic loads (cast to ``dtype``)."""
+    state, adapted = _base_state(model)
+    with torch.no_grad():
+        state.update((name, merged_weight(*factors)) for name, factors in adapted.items())
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return state
+
+
+def merged_state_on_host(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``merged_state`` in host memory, each merged weight copied out as soon as it is computed: the
+    accelerator never holds more than one merged weight beside the model, where the whole merged state
+    would be another base's worth (13 GiB at 7B, at the iterations that register a model version)."""
+    from kfrl.models.host_memory import on_host
+
+    state, adapted = _base_state(model)
+    state = on_host({k: v for k, v in state.items() if k not in adapted}, dtype)  # tied tensors stay one
+    with torch.no_grad():
+        for name, factors in adapted.items():
+            state[name] = on_host(merged_weight(*factors), dtype)
+    return state
+
+
+def _base_state(model) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """(the base's state dict under the plain model's names, {adapted weight name: (W, A, B, scaling)})."""
     from peft.tuners.lora import LoraLayer
 
     base = base_model_of(model)
@@ -198,15 +222,10 @@ def merged_state(model, dtype: torch.dtype | None = None) -> dict[str, torch.Ten
         if ".lora_" in name or ".original_module." in name:
             continue
         state[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = tensor
-    with torch.no_grad():
-        for name, module in base.named_modules():
-            if isinstance(module, LoraLayer) and "default" in module.lora_A:
-                weight = module.get_base_layer().weight
-                state[f"{name}.weight"] = merged_weight(weight, module.lora_A["default"].weight,
-                                                        module.lora_B["default"].weight, module.scaling["default"])
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    return state
+    adapted = {f"{name}.weight": (module.get_base_layer().weight, module.lora_A["default"].weight,
+                                  module.lora_B["default"].weight, module.scaling["default"])
+               for name, module in base.named_modules() if isinstance(module, LoraLayer) and "default" in module.lora_A}
+    return state, adapted
 
 
 # --- the torch decoder over the base ----------------------------------------------------------------
@@ -214,12 +233,8 @@ def decoder_over_adapters(model, dtype: torch.dtype):
     """The torch rollout decoder of a PEFT training copy: it shares the frozen base's tensors (where
     they are in ``dtype`` already; the q/k/v and gate/up weights are laid back to back in place once)
     and applies the current adapters as low-rank updates, so it adds no copy of the base."""
-    from peft.tuners.lora import LoraLayer
-
     base = base_model_of(model)
-    factors = {f"{name}.weight": (module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach(),
-                                  module.scaling["default"])
-               for name, module in base.named_modules() if isinstance(module, LoraLayer) and "default" in module.lora_A}
+    factors = {name: (a.detach(), b.detach(), scaling) for name, (_w, a, b, scaling) in _base_state(model)[1].items()}
     params = {}
     for name, param in base.named_parameters():
         if ".lora_" not in name and ".original_module." not in name:

@@ -456,16 +456,16 @@ def _adapter_writer(ctx: StageContext, model, tokenizer, *, registered: bool):
     """``weights_writer`` of a LoRA training copy: the adapter in PEFT's format (copied to host memory now)
     with the base's config and the tokenizer; when the iteration registers a model version, also the
     merged model as an MLflow model in ``merged/`` (what MLflow serves and ``kfrl export`` copies)."""
-    from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
+    from kfrl.models.hf_io import config_files, unique_state, write_hf_dir
     from kfrl.models.host_memory import on_host
     from kfrl.models.lora import (ADAPTER_CONFIG, MERGED_FOLDER, adapter_config_bytes, adapter_state, base_model_of,
-                                  merged_state, write_adapter)
+                                  merged_state_on_host, write_adapter)
 
     dtype = ctx.compute_dtype
     base_configs = config_files(base_model_of(model), dtype)
     configs = {**base_configs, ADAPTER_CONFIG: adapter_config_bytes(model, base_path=ctx.config.model.path)}
     adapter = on_host(adapter_state(model))
-    merged = host_weights(model, dtype, merged_state(model), copy=True) if registered else None
+    merged = unique_state(merged_state_on_host(model, dtype)) if registered else None
 
     def write(folder) -> None:
         write_hf_dir(folder, {k: v for k, v in configs.items() if k != ADAPTER_CONFIG}, None, tokenizer)
