@@ -88,8 +88,6 @@ def test_a_lora_step_is_the_hand_computed_low_rank_update():
 
 
 def test_adapters_off_are_the_base_and_every_merged_copy_is_base_plus_adapter():
-    from kfrl.engines.decoder import Decoder
-
     model = with_trained_adapter()
     base = tiny()
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))

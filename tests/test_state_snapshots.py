@@ -136,6 +136,28 @@ def test_paced_files_equal_plain_ones(tmp_path):
     assert torch.equal(loaded["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
 
 
+@pytest.mark.parametrize("paced", [False, True])
+def test_a_full_disk_under_a_trainer_state_write_is_reported_as_such_naming_the_file(tmp_path, monkeypatch, paced):
+    """torch.save turns a failed write into "unexpected pos 704 vs 598" (measured on a full tmpfs); the
+    trainer state's writer raises the write's own error instead, with the file's path."""
+    import errno
+    import os
+
+    target, real_write, writes = tmp_path / "optimizer.pt", os.write, []
+
+    def write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(target):
+            writes.append(len(data))
+            if len(writes) > 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(hf_io.os, "write", write)
+    with pytest.raises(OSError, match=f"writing {target} failed: No space left on device") as caught:
+        hf_io.torch_save({"exp_avg": torch.randn(100_000)}, target, paced=paced)
+    assert caught.value.errno == errno.ENOSPC and len(writes) == 3
+
+
 def test_paced_writes_wait_chunk_by_chunk_until_someone_waits_for_them(tmp_path):
     calls = []
     for hurry in (False, True):

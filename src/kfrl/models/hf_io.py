@@ -116,19 +116,25 @@ class PacedWriter:
     ``PACING_OFF`` is set (someone waits for the write), and where ``sync_file_range`` does not exist
     (not Linux), a plain write. File-like enough for ``torch.save``."""
 
-    def __init__(self, path: str | Path, chunk: int = PACED_CHUNK) -> None:
+    def __init__(self, path: str | Path, chunk: int = PACED_CHUNK, *, paced: bool = True) -> None:
+        self.path = Path(path)
+        self.error: OSError | None = None  # the write's own failure (``torch.save`` reports another)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._chunk = chunk
         self._written = 0
         self._started = 0  # bytes whose write-out has been started
         self._previous = (0, 0)  # the chunk before the last one started: (offset, length)
-        self._sync_range = _sync_file_range()
+        self._sync_range = _sync_file_range() if paced else None
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         total = len(view)
         while view:
-            done = os.write(self._fd, view[:self._chunk])
+            try:
+                done = os.write(self._fd, view[:self._chunk])
+            except OSError as error:
+                self.error = error
+                raise
             view = view[done:]
             self._written += done
             if self._written - self._started >= self._chunk:
@@ -161,6 +167,20 @@ class PacedWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def torch_save(obj, path: str | Path, *, paced: bool = False) -> None:
+    """``torch.save(obj, path)`` (through ``PacedWriter`` when ``paced``). A failed write of the file is
+    raised as the ``OSError`` it was, naming the file: torch reports a full disk as "unexpected pos"."""
+    import torch
+
+    with PacedWriter(path, paced=paced) as out:
+        try:
+            torch.save(obj, out)
+        except RuntimeError as error:
+            if out.error is None:
+                raise
+            raise OSError(out.error.errno, f"writing {out.path} failed: {out.error.strerror}") from error
 
 
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4

@@ -549,9 +549,7 @@ def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, opt
                  states: tuple[dict, dict] | None = None, *, paced: bool = False) -> None:
     """Commit the trainer state of this iteration's update (from ``states``, a ``snapshot``, when given),
     then apply retention. ``paced``: written beside running stages, through ``PacedWriter``."""
-    import torch
-
-    from kfrl.models.hf_io import PacedWriter, save_hf
+    from kfrl.models.hf_io import save_hf, torch_save
     from kfrl.models.lora import adapter_config_bytes, is_lora_model, write_adapter
     from kfrl.store import wait_for_in_flight
 
@@ -567,11 +565,7 @@ def _write_state(ctx: StageContext, role: Role, weights_attempt: str, model, opt
             write_adapter(folder, adapter_config_bytes(model, base_path=ctx.config.model.path), model_state)
         else:
             save_hf(model, None, folder, state=model_state, paced=paced)
-        if paced:
-            with PacedWriter(folder / OPTIMIZER_FILE) as out:
-                torch.save(optimizer_state, out)
-        else:
-            torch.save(optimizer_state, folder / OPTIMIZER_FILE)
+        torch_save(optimizer_state, folder / OPTIMIZER_FILE, paced=paced)
         (folder / TRAINER_STATE_FILE).write_text(json.dumps({"iteration": ctx.iteration, "optimizer_steps": steps}))
         failpoint("trainer_state")
     state.commit(info={"iteration": ctx.iteration, "weights_attempt": weights_attempt, "optimizer_steps": steps,
