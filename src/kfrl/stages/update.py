@@ -420,12 +420,13 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
 
 # --- writing the two kinds -----------------------------------------------------------------------
 def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = False, state: dict | None = None,
-                   copy_now: bool = False, buffers_name: str | None = None):
+                   copy_now: bool = False, buffers_name: str | None = None, paced: bool = False):
     """(config files, ``write(folder)``): the weights commit's files, the HF directory in the inference
     dtype (of ``state`` when given, e.g. gathered from shards) plus the tokenizer, and for the policy an
     ``MLmodel`` file (the folder is what MLflow model versions point at). ``copy_now``: the weights are
     copied to host memory now, so ``write`` may run after the model has moved on; with ``buffers_name``
-    into that ``HostBuffers`` pool's tensors, which ``write`` gives back once the files are written."""
+    into that ``HostBuffers`` pool's tensors, which ``write`` gives back once the files are written.
+    ``paced``: the weights files go through ``PacedWriter`` (written beside running stages)."""
     from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
     from kfrl.models.host_memory import host_buffers
     from kfrl.models.lora import is_lora_model
@@ -433,14 +434,14 @@ def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = 
     dtype = ctx.compute_dtype
     if is_lora_model(model):
         return _adapter_writer(ctx, model, tokenizer, registered=mlflow_model and state_required(
-            ctx.config.trainer, ctx.iteration))
+            ctx.config.trainer, ctx.iteration), paced=paced)
     pool = host_buffers(buffers_name) if buffers_name else None
     buffers = pool.take() if pool is not None else None
     configs, weights = config_files(model, dtype), host_weights(model, dtype, state, copy=copy_now, buffers=buffers)
 
     def write(folder) -> None:
         try:
-            write_hf_dir(folder, configs, weights, tokenizer)
+            write_hf_dir(folder, configs, weights, tokenizer, paced=paced)
         finally:
             if pool is not None:
                 pool.give_back(buffers)
@@ -452,7 +453,7 @@ def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = 
     return configs, write
 
 
-def _adapter_writer(ctx: StageContext, model, tokenizer, *, registered: bool):
+def _adapter_writer(ctx: StageContext, model, tokenizer, *, registered: bool, paced: bool = False):
     """``weights_writer`` of a LoRA training copy: the adapter in PEFT's format (copied to host memory now)
     with the base's config and the tokenizer; when the iteration registers a model version, also the
     merged model as an MLflow model in ``merged/`` (what MLflow serves and ``kfrl export`` copies)."""
@@ -473,7 +474,7 @@ def _adapter_writer(ctx: StageContext, model, tokenizer, *, registered: bool):
         if merged is not None:
             from kfrl.models.mlmodel import write_mlmodel
 
-            write_hf_dir(Path(folder) / MERGED_FOLDER, base_configs, merged, tokenizer)
+            write_hf_dir(Path(folder) / MERGED_FOLDER, base_configs, merged, tokenizer, paced=paced)
             write_mlmodel(Path(folder) / MERGED_FOLDER, tokenizer, dtype)
 
     return configs, write
@@ -497,13 +498,16 @@ def save_weights_later(ctx: StageContext, attempt, model, tokenizer, *, mlflow_m
     are copied to host memory now (so the training copy may move on; into this process's reused host
     buffers), and the files and the stage's commit are written by a thread
     (``Attempt.write_in_background``). This process sees the commit at once; its next commit with files
-    (the next rollout) waits for it, so what is durable stays in order. Returns the seconds of its two
-    parts on the critical path: the host copy and the early files."""
+    (the next rollout) waits for it, so what is durable stays in order. The files are paced
+    (``PacedWriter``) but at the run's last iteration: buffered, a GB-sized write made each small commit
+    of the stages beside it (a manifest's fsync) wait 0.1-0.4 s for the journal. Returns the seconds of
+    its two parts on the critical path: the host copy and the early files."""
     from kfrl.models.hf_io import write_hf_dir
 
     started = time.perf_counter()
     configs, write = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, copy_now=True,
-                                    buffers_name=f"weights/{role_name}")
+                                    buffers_name=f"weights/{role_name}",
+                                    paced=ctx.iteration != ctx.config.trainer.total_iterations)
     copied = time.perf_counter()
     # Config and tokenizer now, in a local folder: the next rollout reads them without waiting.
     folder = _early_folder(attempt.attempt)
