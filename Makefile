@@ -36,12 +36,8 @@ $(CHECKOV): infra/terraform/requirements-checkov.txt
 	$(VENV)/checkov/bin/python -m pip install -q -r infra/terraform/requirements-checkov.txt
 	@touch $(CHECKOV)
 
-# Two pytest workers, each taking whole test files (tests/conftest.py collects the longest first): the
-# tests wait on subprocesses and servers much of the time, so two keep 2 cores busier than one.
-PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadfile
-
 test: $(STAMP) $(CHECKOV)
-	$(PYTEST) -m "not gpu and not bench"
+	$(VENV)/bin/pytest -q -m "not gpu and not bench"
 	@$(MAKE) --no-print-directory test-portability
 
 # The portability gate: the numerics-sensitive tests (marker `numerics`) once more under a foreign
@@ -53,7 +49,7 @@ FOREIGN_KERNELS := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CP
 	KFRL_CACHE_DIR=$(CURDIR)/$(VENV)/cache-foreign-kernels
 
 test-portability: $(STAMP)
-	$(FOREIGN_KERNELS) $(PYTEST) -m "numerics and not gpu and not bench"
+	$(FOREIGN_KERNELS) $(VENV)/bin/pytest -q -m "numerics and not gpu and not bench"
 
 compile: $(STAMP)
 	$(VENV)/bin/kfrl compile

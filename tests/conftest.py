@@ -18,19 +18,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-# The test files that take longest (seconds on 2 cores), collected first: `make test` runs two pytest
-# workers that take whole files in collection order (`-n 2 --dist loadfile`), so starting the long ones
-# first keeps both busy to the end instead of leaving one to finish a long file alone.
-LONGEST_FIRST = ("test_resident_engine", "test_distributed", "test_chaos", "test_agent", "test_e2e",
-                 "test_algo_kfp", "test_kernels", "test_mlflow_home", "test_synthetic_and_tiny", "test_cluster",
-                 "test_engine_workload", "test_trainer_state", "test_lora", "test_reliability")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(str(item.path)).stem, len(rank)))  # stable: files keep their order
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
