@@ -214,18 +214,25 @@ def merged_state_on_host(model, dtype: torch.dtype | None = None) -> dict[str, t
 
 def _base_state(model) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """(the base's state dict under the plain model's names, {adapted weight name: (W, A, B, scaling)})."""
+    base = base_model_of(model)
+    state = {plain: tensor for name, tensor in base.state_dict().items() if (plain := _plain_name(name))}
+    return state, _adapted(base)
+
+
+def _plain_name(name: str) -> str | None:
+    """A PEFT-wrapped base's tensor name as the plain model names it; None for PEFT's own tensors."""
+    if ".lora_" in name or ".original_module." in name:
+        return None
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+def _adapted(base) -> dict[str, tuple]:
+    """{adapted weight name: (W, A, B, scaling)} of a PEFT-wrapped base."""
     from peft.tuners.lora import LoraLayer
 
-    base = base_model_of(model)
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name or ".original_module." in name:
-            continue
-        state[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = tensor
-    adapted = {f"{name}.weight": (module.get_base_layer().weight, module.lora_A["default"].weight,
-                                  module.lora_B["default"].weight, module.scaling["default"])
-               for name, module in base.named_modules() if isinstance(module, LoraLayer) and "default" in module.lora_A}
-    return state, adapted
+    return {f"{name}.weight": (module.get_base_layer().weight, module.lora_A["default"].weight,
+                               module.lora_B["default"].weight, module.scaling["default"])
+            for name, module in base.named_modules() if isinstance(module, LoraLayer) and "default" in module.lora_A}
 
 
 # --- the torch decoder over the base ----------------------------------------------------------------
@@ -234,11 +241,8 @@ def decoder_over_adapters(model, dtype: torch.dtype):
     they are in ``dtype`` already; the q/k/v and gate/up weights are laid back to back in place once)
     and applies the current adapters as low-rank updates, so it adds no copy of the base."""
     base = base_model_of(model)
-    factors = {name: (a.detach(), b.detach(), scaling) for name, (_w, a, b, scaling) in _base_state(model)[1].items()}
-    params = {}
-    for name, param in base.named_parameters():
-        if ".lora_" not in name and ".original_module." not in name:
-            params[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = param
+    factors = {name: (a.detach(), b.detach(), scaling) for name, (_w, a, b, scaling) in _adapted(base).items()}
+    params = {plain: param for name, param in base.named_parameters() if (plain := _plain_name(name))}
     return _decoder_with_factors(base, params, factors, dtype)
 
 
