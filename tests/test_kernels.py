@@ -91,6 +91,12 @@ CHECKS = textwrap.dedent(r"""
         bias[2, 100:] = float("-inf")  # columns not yet written
         ref = kernels.decode_attention_ref(q, keys, values, bias)
         got = kernels.decode_attention(q, keys, values, bias)
+        # The decode step's form: the whole bias, the length read from the step's column on the device.
+        column = torch.tensor([length - 1], device=device)
+        wide = torch.zeros(rows, columns, device=device, dtype=dtype)
+        wide[:, :length] = bias
+        by_column = kernels.decode_attention(q, keys, values, wide, column)
+        ref_by_column = kernels.decode_attention_ref(q, keys, values, wide, column)
         # Scores q.k / sqrt(hd): each within e_s = (gamma(hd) + 2u) max sum_i |q_i k_i| / sqrt(hd); the
         # softmax weights then within a relative 2 e_s + gamma(L) + 4u, and the output sum over L columns
         # adds gamma(L): per side (2 e_s + 2 gamma(L) + 4u) max|v|, between the two twice that.
@@ -101,6 +107,8 @@ CHECKS = textwrap.dedent(r"""
         vmax = float(values.float().abs().max())
         attention_tol = 2e-2 if dtype == torch.bfloat16 else 2 * (2 * e_s + 2 * gamma(length) + 4 * u) * vmax
         assert torch.allclose(got, ref, atol=attention_tol, rtol=0), ("attention", heads, (got - ref).abs().max())
+        assert torch.equal(by_column, got), ("attention by column", heads)
+        assert torch.allclose(ref_by_column, ref, atol=attention_tol, rtol=0), ("reference by column", heads)
 
     gate_up = rand(4, 2 * 1100)
     ref = kernels.silu_mul_ref(gate_up)  # elementwise: exp, add, divide, two products (~8 u relative)

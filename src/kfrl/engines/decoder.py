@@ -409,7 +409,8 @@ class Decoder:
                attn_bias: torch.Tensor) -> torch.Tensor:
         """One token per sequence. tokens, positions (b,); cache (layers, 2, >=b, kv_heads, >=L, hd) whose
         first b rows are these sequences; column (1,) where this token's K/V go; attn_bias (b, L) additive
-        (0 = visible, -inf = not), L columns attended. Returns logits (b, V)."""
+        (0 = visible, -inf = not). The columns up to and including ``column`` are attended (read on the
+        device: one captured step serves every column). Returns logits (b, V)."""
         s = self.spec
         b = attn_bias.shape[0]
         eps = s.rms_norm_eps
@@ -422,7 +423,7 @@ class Decoder:
             keys, values = cache[layer, 0, :b], cache[layer, 1, :b]
             q = kernels.rope_to_cache(qkv, positions, cos_table, sin_table, block.q_norm, block.k_norm, eps,
                                       keys, values, column, s.n_heads, s.n_kv_heads, s.head_dim)
-            attn = kernels.decode_attention(q, keys, values, attn_bias)
+            attn = kernels.decode_attention(q, keys, values, attn_bias, column)
             delta = project(attn, block.o_weight, block.o_bias, block.o_lora)
             x, h = kernels.add_rms_norm(x, delta, block.post_norm, eps)
             delta = project(kernels.silu_mul(project(h, block.gate_up_weight, None, block.gate_up_lora)), block.down_weight,

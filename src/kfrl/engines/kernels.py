@@ -82,11 +82,15 @@ def rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps,
 
 
 def decode_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         attn_bias: torch.Tensor) -> torch.Tensor:
+                         attn_bias: torch.Tensor, column: torch.Tensor | None = None) -> torch.Tensor:
     """q (b, heads, hd) against keys/values (b, kv_heads, >=L, hd) over the first L = attn_bias.shape[1]
-    columns, attn_bias (b, L) additive. Returns (b, heads * hd)."""
+    columns, attn_bias (b, L) additive; with ``column`` (1,), only the columns up to and including it
+    (the decode step's own). Returns (b, heads * hd)."""
     b, heads, head_dim = q.shape
     kv_heads, length = keys.shape[1], attn_bias.shape[1]
+    if column is not None:  # masked rather than sliced: the column lives on the device (no host read)
+        later = torch.arange(length, device=attn_bias.device) > column
+        attn_bias = attn_bias.masked_fill(later, float("-inf"))
     # The query heads that share a KV head are laid out as that head's "query rows", so plain
     # attention serves grouped-query attention without repeating K/V.
     grouped = q.unflatten(1, (kv_heads, heads // kv_heads))
@@ -116,6 +120,10 @@ def record_ref(new_tokens, new_logprobs, finished, sequence, tokens, positions, 
 
 # --- dispatch -----------------------------------------------------------------------------------------
 
+# decode_attention's launch: columns per block of its online softmax, warps per program.
+ATTENTION_BLOCK_N = 64
+ATTENTION_WARPS = 4
+
 def add_rms_norm(x, delta, weight, eps):
     """(x + delta, rms_norm(x + delta) * weight) for x (b, hidden); delta None = no residual add.
     The Triton path updates x in place."""
@@ -144,17 +152,20 @@ def rope_to_cache(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, key
     return q
 
 
-def decode_attention(q, keys, values, attn_bias):
+def decode_attention(q, keys, values, attn_bias, column=None):
+    """``decode_attention_ref`` in one kernel. With ``column`` the kernel reads the attended length
+    (column + 1) on the device, so one captured step serves every length of a rollout."""
     if not triton_enabled(q):
-        return decode_attention_ref(q, keys, values, attn_bias)
+        return decode_attention_ref(q, keys, values, attn_bias, column)
     b, heads, head_dim = q.shape
     kv_heads, length = keys.shape[1], attn_bias.shape[1]
     group = heads // kv_heads
     out = torch.empty((b, heads, head_dim), dtype=q.dtype, device=q.device)
     _decode_attention_kernel[(b, kv_heads)](
-        q, keys, values, attn_bias, out, length, attn_bias.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
-        head_dim ** -0.5, GROUP=group, HD=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=64)
+        q, keys, values, attn_bias, out, length, column if column is not None else attn_bias, attn_bias.stride(0),
+        keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, GROUP=group, HD=head_dim,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=ATTENTION_BLOCK_N, LENGTH_FROM_COLUMN=column is not None, num_warps=ATTENTION_WARPS)
     return out.flatten(1)
 
 
@@ -280,12 +291,16 @@ if triton is not None:
     # between calls can trigger a compile mid-rollout. The lengths may, the cache strides must not:
     # their divisibility is what lets Triton vectorise the K/V loads (unspecialised: 2.5x slower).
     @triton.jit(do_not_specialize=["length", "bias_stride"])
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, length, bias_stride, row_stride, head_stride,
-                                 col_stride, scale, GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
-                                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, length, col_ptr, bias_stride, row_stride,
+                                 head_stride, col_stride, scale, GROUP: tl.constexpr, HD: tl.constexpr,
+                                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 LENGTH_FROM_COLUMN: tl.constexpr):
         """One program per (sequence, KV head): its GROUP query heads against the cached columns,
-        with an online softmax over blocks of BLOCK_N columns (flash-decoding without the split)."""
+        with an online softmax over blocks of BLOCK_N columns (flash-decoding without the split).
+        LENGTH_FROM_COLUMN: attend columns 0..col_ptr[0] (at most ``length``) instead of ``length``."""
         row = tl.program_id(0).to(tl.int64)
+        if LENGTH_FROM_COLUMN:
+            length = tl.minimum(tl.load(col_ptr).to(tl.int32) + 1, length)
         kv_head = tl.program_id(1)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
