@@ -187,6 +187,8 @@ def part_profile(decoder, device: str) -> dict:
 
 
 def part_attention(decoder, device: str) -> dict:
+    """Per layer: the rotary/cache-write kernel followed by the attention kernel, against the fused
+    kernel that does both, for each launch configuration of the attention."""
     import torch
     import triton
 
@@ -194,37 +196,55 @@ def part_attention(decoder, device: str) -> dict:
 
     spec = decoder.spec
     state = step_state(decoder)
-    cache, bias, column = state["cache"], state["attn_bias"], state["column"]
+    cache, bias, column, positions = state["cache"], state["attn_bias"], state["column"], state["positions"]
+    cos_table, sin_table = decoder.rope_tables(1)
+    qkv = torch.randn((BATCH, spec.q_size + 2 * spec.kv_size), device=DEVICE, dtype=torch.bfloat16)
     q = torch.randn((BATCH, spec.n_heads, spec.head_dim), device=DEVICE, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     group = spec.n_heads // spec.n_kv_heads
     length = int(column) + 1
     kv_bytes = 2 * BATCH * spec.n_kv_heads * length * spec.head_dim * 2
+    block_g = max(16, triton.next_power_of_2(group))
     results = []
     for block_n in (32, 64, 128):
         for warps in (2, 4, 8):
-            for stages in (1, 2, 3, 4):
-                def run():
+            for stages in (2, 3, 4):
+                def separate():
                     for layer in range(spec.n_layers):
                         keys, values = cache[layer, 0], cache[layer, 1]
+                        kernels.rope_to_cache(qkv, positions, cos_table, sin_table, None, None, 1e-6, keys, values,
+                                              column, spec.n_heads, spec.n_kv_heads, spec.head_dim)
                         kernels._decode_attention_kernel[(BATCH, spec.n_kv_heads)](
                             q, keys, values, bias, out, bias.shape[1], column, bias.stride(0), keys.stride(0),
                             keys.stride(1), keys.stride(2), spec.head_dim ** -0.5, GROUP=group, HD=spec.head_dim,
-                            BLOCK_G=max(16, triton.next_power_of_2(group)),
-                            BLOCK_D=max(16, triton.next_power_of_2(spec.head_dim)), BLOCK_N=block_n,
+                            BLOCK_G=block_g, BLOCK_D=max(16, triton.next_power_of_2(spec.head_dim)), BLOCK_N=block_n,
                             LENGTH_FROM_COLUMN=True, num_warps=warps, num_stages=stages)
-                try:
-                    seconds = graph_time(run, repeats=2) / spec.n_layers
-                except Exception as exc:  # a configuration that does not fit (shared memory) is skipped
-                    results.append({"block_n": block_n, "warps": warps, "stages": stages, "error": str(exc)[:120]})
-                    continue
-                results.append({"block_n": block_n, "warps": warps, "stages": stages, "us": round(seconds * 1e6, 2)})
-    ok = [r for r in results if "us" in r]
-    best = min(ok, key=lambda r: r["us"])
+
+                def fused():
+                    for layer in range(spec.n_layers):
+                        keys, values = cache[layer, 0], cache[layer, 1]
+                        kernels._rope_attention_kernel[(BATCH, spec.n_kv_heads)](
+                            qkv, positions, cos_table, sin_table, qkv, qkv, 1e-6, keys, values, bias, out, column,
+                            bias.shape[1], qkv.stride(0), bias.stride(0), keys.stride(0), keys.stride(1),
+                            keys.stride(2), spec.head_dim ** -0.5, N_HEADS=spec.n_heads, GROUP=group,
+                            HD=spec.head_dim, BLOCK_G=block_g,
+                            HALF_BLOCK=max(16, triton.next_power_of_2(spec.head_dim // 2)), BLOCK_N=block_n,
+                            HAS_NORM=False, num_warps=warps, num_stages=stages)
+                row = {"block_n": block_n, "warps": warps, "stages": stages}
+                current = (block_n, warps, stages) == (kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, 3)
+                for name, fn in (("separate_us", separate), ("fused_us", fused)):
+                    if name == "separate_us" and not current:  # the committed pair: measured once, as it runs
+                        continue
+                    try:
+                        row[name] = round(graph_time(fn, repeats=2) / spec.n_layers * 1e6, 2)
+                    except Exception as exc:  # a configuration that does not fit (shared memory) is skipped
+                        row[name + "_error"] = str(exc)[:120]
+                results.append(row)
+    best = {name: min((r for r in results if name in r), key=lambda r: r[name]) for name in ("separate_us", "fused_us")}
+    default = next(r for r in results if (r["block_n"], r["warps"], r["stages"]) ==
+                   (kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, 3))
     return {"per_layer_bytes": kv_bytes, "bound_us": round(kv_bytes / bandwidth(device) * 1e6, 2),
-            "best": best, "default": next(r for r in ok if (r["block_n"], r["warps"], r["stages"]) ==
-                                          (kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, 3)),
-            "all": results}
+            "best": best, "default": default, "all": results}
 
 
 def part_gemm(decoder, device: str) -> dict:
@@ -338,21 +358,23 @@ def main() -> None:
     result = {"device": device, "shape": args.shape, "label": args.label, "torch": torch.__version__}
     for part in args.parts.split(","):
         t0 = time.perf_counter()
-        if part == "profile":
-            result[part] = part_profile(decoder, device)
-        elif part == "attention":
-            result[part] = part_attention(decoder, device)
-        elif part == "gemm":
-            result[part] = part_gemm(decoder, device)
-        elif part == "rollout":
-            result[part] = part_rollout(decoder)
+        try:
+            run_part(part, result, decoder, device)
+        except Exception as exc:  # one part's failure must not lose the others' figures
+            result[part] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         result[f"{part}_wall_s"] = round(time.perf_counter() - t0, 1)
         summary = {k: v for k, v in result[part].items() if k not in ("all", "kernels", "triton")} \
-            if part != "gemm" else {n: {k: v for k, v in r.items() if k != "triton"} for n, r in result[part].items()}
+            if part != "gemm" or "error" in result[part] else \
+            {n: {k: v for k, v in r.items() if k != "triton"} for n, r in result[part].items()}
         print(f"SUMMARY {args.shape} {args.label} {part}: {json.dumps(summary)}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 
+
+def run_part(part: str, result: dict, decoder, device: str) -> None:
+    parts = {"profile": lambda: part_profile(decoder, device), "attention": lambda: part_attention(decoder, device),
+             "gemm": lambda: part_gemm(decoder, device), "rollout": lambda: part_rollout(decoder)}
+    result[part] = parts[part]()
 
 if __name__ == "__main__":
     main()

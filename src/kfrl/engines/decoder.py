@@ -420,10 +420,9 @@ class Decoder:
         for layer, block in enumerate(self.blocks):
             x, h = kernels.add_rms_norm(x, delta, block.input_norm, eps)
             qkv = project(h, block.qkv_weight, block.qkv_bias, block.qkv_lora)
-            keys, values = cache[layer, 0, :b], cache[layer, 1, :b]
-            q = kernels.rope_to_cache(qkv, positions, cos_table, sin_table, block.q_norm, block.k_norm, eps,
-                                      keys, values, column, s.n_heads, s.n_kv_heads, s.head_dim)
-            attn = kernels.decode_attention(q, keys, values, attn_bias, column)
+            attn = kernels.rope_attention(qkv, positions, cos_table, sin_table, block.q_norm, block.k_norm, eps,
+                                          cache[layer, 0, :b], cache[layer, 1, :b], column, attn_bias,
+                                          s.n_heads, s.n_kv_heads, s.head_dim)
             delta = project(attn, block.o_weight, block.o_bias, block.o_lora)
             x, h = kernels.add_rms_norm(x, delta, block.post_norm, eps)
             delta = project(kernels.silu_mul(project(h, block.gate_up_weight, None, block.gate_up_lora)), block.down_weight,

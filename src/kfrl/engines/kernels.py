@@ -99,6 +99,15 @@ def decode_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out.flatten(1)
 
 
+def rope_attention_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column, attn_bias,
+                       n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The decode step's attention from its fused projection: ``rope_to_cache_ref`` (the step's K/V into
+    the cache at ``column``), then ``decode_attention_ref`` over the columns up to ``column``."""
+    q = rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
+                          n_heads, n_kv_heads, head_dim)
+    return decode_attention_ref(q, keys, values, attn_bias, column)
+
+
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -166,6 +175,28 @@ def decode_attention(q, keys, values, attn_bias, column=None):
         keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, GROUP=group, HD=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=ATTENTION_BLOCK_N, LENGTH_FROM_COLUMN=column is not None, num_warps=ATTENTION_WARPS)
+    return out.flatten(1)
+
+
+def rope_attention(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column, attn_bias,
+                   n_heads: int, n_kv_heads: int, head_dim: int):
+    """``rope_attention_ref`` in one kernel: each (sequence, KV head) program rotates its query heads and
+    its key in registers, writes the key and value to the cache, and attends the earlier columns from
+    the cache and its own from registers. Returns (b, heads * hd)."""
+    if not triton_enabled(qkv):
+        return rope_attention_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
+                                  attn_bias, n_heads, n_kv_heads, head_dim)
+    b = qkv.shape[0]
+    group = n_heads // n_kv_heads
+    out = torch.empty((b, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm is not None
+    _rope_attention_kernel[(b, n_kv_heads)](
+        qkv, positions, cos_table, sin_table, q_norm if has_norm else qkv, k_norm if has_norm else qkv, eps,
+        keys, values, attn_bias, out, column, attn_bias.shape[1], qkv.stride(0), attn_bias.stride(0),
+        keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, N_HEADS=n_heads, GROUP=group,
+        HD=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HALF_BLOCK=max(16, triton.next_power_of_2(head_dim // 2)), BLOCK_N=ATTENTION_BLOCK_N, HAS_NORM=has_norm,
+        num_warps=ATTENTION_WARPS)
     return out.flatten(1)
 
 
@@ -332,6 +363,99 @@ if triton is not None:
         out = acc / total[:, None]
         out_rows = out_ptr + (row * GROUP * tl.num_programs(1) + kv_head * GROUP + g[:, None]) * HD + d[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+    @triton.jit
+    def _head_norm_rows(x1, x2, w_ptr, offs, mask, eps, HD: tl.constexpr):
+        """``_head_norm`` for a block of heads, one per row: (rows, HD/2) halves."""
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        variance = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / HD
+        scale = tl.rsqrt(variance + eps)[:, None]
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HD // 2 + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
+        y1 = (w1 * (x1f * scale).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        y2 = (w2 * (x2f * scale).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+        return y1, y2
+
+    @triton.jit
+    def _rotate_rows(x1, x2, cos, sin):
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
+
+    @triton.jit(do_not_specialize=["columns", "bias_stride"])
+    def _rope_attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, k_ptr, v_ptr, bias_ptr,
+                               out_ptr, col_ptr, columns, qkv_stride, bias_stride, row_stride, head_stride, col_stride,
+                               scale, N_HEADS: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+                               BLOCK_G: tl.constexpr, HALF_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                               HAS_NORM: tl.constexpr):
+        """One program per (sequence, KV head). Vectors are kept as their two rotary halves, so that the
+        rotation needs no shuffle: scores are q1.k1 + q2.k2 and the output is written half by half."""
+        row = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        half: tl.constexpr = HD // 2
+        g = tl.arange(0, BLOCK_G)
+        h = tl.arange(0, HALF_BLOCK)
+        n = tl.arange(0, BLOCK_N)
+        g_mask, h_mask = g < GROUP, h < half
+        column = tl.load(col_ptr).to(tl.int32)
+        pos = tl.load(pos_ptr + row)
+        cos = tl.load(cos_ptr + pos * HD + h, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + pos * HD + h, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+        src = qkv_ptr + row * qkv_stride
+        q_at = src + (kv_head * GROUP + g[:, None]) * HD + h[None, :]
+        q_mask = g_mask[:, None] & h_mask[None, :]
+        q1 = tl.load(q_at, mask=q_mask, other=0.0)
+        q2 = tl.load(q_at + half, mask=q_mask, other=0.0)
+        k_at = src + (N_HEADS + kv_head) * HD + h[None, :]
+        v_at = src + (N_HEADS + tl.num_programs(1) + kv_head) * HD + h[None, :]
+        k1 = tl.load(k_at, mask=h_mask[None, :], other=0.0)
+        k2 = tl.load(k_at + half, mask=h_mask[None, :], other=0.0)
+        v1 = tl.load(v_at, mask=h_mask[None, :], other=0.0)
+        v2 = tl.load(v_at + half, mask=h_mask[None, :], other=0.0)
+        if HAS_NORM:
+            q1, q2 = _head_norm_rows(q1, q2, qn_ptr, h, h_mask, eps, HD)
+            k1, k2 = _head_norm_rows(k1, k2, kn_ptr, h, h_mask, eps, HD)
+        q1, q2 = _rotate_rows(q1, q2, cos, sin)
+        k1, k2 = _rotate_rows(k1, k2, cos, sin)
+        base = row * row_stride + kv_head * head_stride
+        here = base + column * col_stride + h[None, :]
+        tl.store(k_ptr + here, k1, mask=h_mask[None, :])
+        tl.store(k_ptr + here + half, k2, mask=h_mask[None, :])
+        tl.store(v_ptr + here, v1, mask=h_mask[None, :])
+        tl.store(v_ptr + here + half, v2, mask=h_mask[None, :])
+        # The step's own column, from registers (this program's stores are not yet visible to its loads).
+        own_bias = tl.load(bias_ptr + row * bias_stride + column).to(tl.float32)
+        own = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
+               + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale + own_bias
+        best = own
+        seen = tl.where(own == float("-inf"), 0.0, 1.0)
+        total = seen
+        acc1 = seen[:, None] * v1.to(tl.float32)
+        acc2 = seen[:, None] * v2.to(tl.float32)
+        length = tl.minimum(column, columns)
+        for start in range(0, length, BLOCK_N):
+            cols = start + n
+            c_mask = cols < length
+            at = base + cols[:, None] * col_stride + h[None, :]
+            kv_mask = c_mask[:, None] & h_mask[None, :]
+            c1 = tl.load(k_ptr + at, mask=kv_mask, other=0.0)
+            c2 = tl.load(k_ptr + at + half, mask=kv_mask, other=0.0)
+            bias = tl.load(bias_ptr + row * bias_stride + cols, mask=c_mask, other=float("-inf")).to(tl.float32)
+            scores = (tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))).to(tl.float32) * scale + bias[None, :]
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            # Rows that have seen only masked columns keep -inf; exp(-inf - -inf) would be NaN.
+            safe = tl.where(new_best == float("-inf"), 0.0, new_best)
+            weights = tl.exp(scores - safe[:, None])
+            rescale = tl.exp(best - safe)
+            total = total * rescale + tl.sum(weights, axis=1)
+            w = weights.to(c1.dtype)
+            d1 = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
+            d2 = tl.load(v_ptr + at + half, mask=kv_mask, other=0.0)
+            acc1 = acc1 * rescale[:, None] + tl.dot(w, d1).to(tl.float32)
+            acc2 = acc2 * rescale[:, None] + tl.dot(w, d2).to(tl.float32)
+            best = new_best
+        out_at = out_ptr + (row * N_HEADS + kv_head * GROUP + g[:, None]) * HD + h[None, :]
+        tl.store(out_at, (acc1 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(out_at + half, (acc2 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
 
     @triton.jit(do_not_specialize=["slice_size", "splits"])
     def _sample_partial_kernel(logits_ptr, vocab, slice_size, inv_temp, partial_ptr, index_ptr, splits,
