@@ -16,6 +16,8 @@ import torch
 pytest.importorskip("triton")
 
 CHECKS = textwrap.dedent(r"""
+    import os
+
     import torch
     from kfrl.engines import kernels
 
@@ -146,6 +148,21 @@ CHECKS = textwrap.dedent(r"""
         vmax = float(caches[0][1].float().abs()[:, :, :at + 1].max())
         fused_tol = 2e-2 if dtype == torch.bfloat16 else 2 * (2 * e_s + 2 * gamma(at + 1) + 4 * u) * vmax
         assert torch.allclose(got, ref, atol=fused_tol, rtol=0), ("rope_attention", heads, (got - ref).abs().max())
+
+    # The decode step's Triton GEMMs (KFRL_DECODE_GEMM=triton): rows and columns that fill no tile
+    os.environ["KFRL_DECODE_GEMM"] = "triton"
+    x, w, b = rand(70, 200), rand(150, 200, scale=200 ** -0.5), rand(150)
+    ref = torch.nn.functional.linear(x, w, b)  # two float32 dot products of 200 terms, the bias added once
+    gemm_tol = tol(200, (x.abs() @ w.abs().t()).max(), steps=2)
+    assert torch.allclose(kernels.linear(x, w, b), ref, atol=gemm_tol, rtol=0), "linear"
+    assert torch.allclose(kernels.linear(x, w), ref - b, atol=gemm_tol, rtol=0), "linear without bias"
+    w2 = rand(2 * 90, 200, scale=200 ** -0.5)
+    ref = kernels.silu_mul_ref(torch.nn.functional.linear(x, w2))
+    # the products within gemm_tol each; silu(g) u moves by at most (|u| max|silu'| + |silu(g)|) of that
+    inputs = (x.abs() @ w2.abs().t())
+    swiglu_tol = tol(200, inputs.max(), steps=2) * (1.1 * inputs.max() + 1.1 * inputs.max()) + tol(1, ref.abs().max(), 8)
+    assert torch.allclose(kernels.gate_up_silu(x, w2), ref, atol=swiglu_tol, rtol=0), "gate_up_silu"
+    del os.environ["KFRL_DECODE_GEMM"]
 
     gate_up = rand(4, 2 * 1100)
     ref = kernels.silu_mul_ref(gate_up)  # elementwise: exp, add, divide, two products (~8 u relative)

@@ -211,6 +211,50 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def decode_gemm_enabled(x: torch.Tensor) -> bool:
+    """Whether the decode step's projections run on the Triton GEMMs below instead of cuBLAS
+    (``KFRL_DECODE_GEMM=triton``: a benchmark switch while they are measured)."""
+    return triton_enabled(x) and os.environ.get("KFRL_DECODE_GEMM") == "triton"
+
+
+def _gemm_tiles(rows: int, cols: int) -> tuple[int, int]:
+    """Row and column tile sizes: the widest column tile that still gives every SM a program or more."""
+    block_m = 64
+    for block_n in (128, 64):
+        if triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n) >= 132:
+            return block_m, block_n
+    return block_m, 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a decode step's (rows, in) activations: x @ weight.T (+ bias)."""
+    if not decode_gemm_enabled(x):
+        return torch.nn.functional.linear(x, weight, bias)
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_m, block_n = _gemm_tiles(rows, n)
+    _linear_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
+        x, weight, bias if bias is not None else x, out, rows, n, k, x.stride(0), HAS_BIAS=bias is not None,
+        BM=block_m, BN=block_n, BK=128, num_warps=4, num_stages=4)
+    return out
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_mul(linear(x, weight))`` for weight = [gate; up] (2 inner, in), in one kernel: the
+    (rows, 2 inner) product is never written."""
+    if not decode_gemm_enabled(x):
+        return silu_mul(torch.nn.functional.linear(x, weight))
+    rows, k = x.shape
+    inner = weight.shape[0] // 2
+    out = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
+    block_m, block_n = _gemm_tiles(rows, inner)
+    _gate_up_silu_kernel[(triton.cdiv(rows, block_m), triton.cdiv(inner, min(block_n, 64)))](
+        x, weight, out, rows, inner, k, x.stride(0), BM=block_m, BN=min(block_n, 64), BK=128, num_warps=4,
+        num_stages=3)
+    return out
+
+
 def sample_and_record(logits, *, temperature: float, greedy: bool, seed: torch.Tensor, finished, sequence,
                       tokens, positions, eos_table, out_tokens, out_logprobs, column, longest: int,
                       pad_id: int) -> None:
@@ -456,6 +500,59 @@ if triton is not None:
         out_at = out_ptr + (row * N_HEADS + kv_head * GROUP + g[:, None]) * HD + h[None, :]
         tl.store(out_at, (acc1 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
         tl.store(out_at + half, (acc2 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+        """y = x @ w.T (+ b): programs along M vary fastest, so those reading one weight tile run together
+        and the weights are read from memory about once."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        xp = x_ptr + rm[:, None].to(tl.int64) * x_stride + rk[None, :]
+        wp = w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None]
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] < K - k), other=0.0)
+            b = tl.load(wp, mask=(rn[None, :] < N) & (rk[:, None] < K - k), other=0.0)
+            acc = tl.dot(a, b, acc)
+            xp += BK
+            wp += BK
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, INNER, K, x_stride, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr):
+        """y = silu(x @ gate.T) * (x @ up.T), w = [gate; up]: each program computes the same columns of
+        both halves; the products are rounded to the model dtype before the activation, as the unfused
+        projection + ``silu_mul`` pair does."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        xp = x_ptr + rm[:, None].to(tl.int64) * x_stride + rk[None, :]
+        gp = w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None]
+        up = gp + INNER.to(tl.int64) * K
+        acc_g = tl.zeros((BM, BN), tl.float32)
+        acc_u = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] < K - k), other=0.0)
+            w_mask = (rn[None, :] < INNER) & (rk[:, None] < K - k)
+            acc_g = tl.dot(a, tl.load(gp, mask=w_mask, other=0.0), acc_g)
+            acc_u = tl.dot(a, tl.load(up, mask=w_mask, other=0.0), acc_u)
+            xp += BK
+            gp += BK
+            up += BK
+        dtype = y_ptr.dtype.element_ty
+        gate = acc_g.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = (act * acc_u.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * INNER + rn[None, :], y,
+                 mask=(rm[:, None] < M) & (rn[None, :] < INNER))
 
     @triton.jit(do_not_specialize=["slice_size", "splits"])
     def _sample_partial_kernel(logits_ptr, vocab, slice_size, inv_temp, partial_ptr, index_ptr, splits,
