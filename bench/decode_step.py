@@ -263,7 +263,7 @@ def part_attention(decoder, device: str) -> dict:
     results = []
     for block_n in (32, 64, 128):
         for warps in (2, 4, 8):
-            for stages in (2, 3, 4):
+            for stages in (2, 3):
                 def separate():
                     for layer in range(spec.n_layers):
                         keys, values = cache[layer, 0], cache[layer, 1]
