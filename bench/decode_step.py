@@ -30,61 +30,6 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BATCH, PROMPT, NEW = 256, 133, 256
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-if triton is not None:
-    @triton.jit
-    def matmul(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """y = x @ w.T: x (M, K), w (N, K), y (M, N), row-major; programs along M vary fastest, so the
-        programs reading one weight tile run together."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        xp = x_ptr + rm[:, None] * K + rk[None, :]
-        wp = w_ptr + rn[None, :] * K + rk[:, None]
-        acc = tl.zeros((BM, BN), tl.float32)
-        for k in range(0, K, BK):
-            a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] < K - k), other=0.0)
-            b = tl.load(wp, mask=(rn[None, :] < N) & (rk[:, None] < K - k), other=0.0)
-            acc = tl.dot(a, b, acc)
-            xp += BK
-            wp += BK
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    @triton.jit
-    def gate_up_silu(x_ptr, w_ptr, y_ptr, M, INNER, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """y = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (2 INNER, K): each program computes the
-        same columns of both halves, rounded to the model dtype before the activation as the unfused pair."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        xp = x_ptr + rm[:, None] * K + rk[None, :]
-        gp = w_ptr + rn[None, :] * K + rk[:, None]
-        up_p = gp + INNER * K
-        acc_g = tl.zeros((BM, BN), tl.float32)
-        acc_u = tl.zeros((BM, BN), tl.float32)
-        for k in range(0, K, BK):
-            a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] < K - k), other=0.0)
-            wmask = (rn[None, :] < INNER) & (rk[:, None] < K - k)
-            acc_g = tl.dot(a, tl.load(gp, mask=wmask, other=0.0), acc_g)
-            acc_u = tl.dot(a, tl.load(up_p, mask=wmask, other=0.0), acc_u)
-            xp += BK
-            gp += BK
-            up_p += BK
-        dtype = y_ptr.dtype.element_ty
-        g = acc_g.to(dtype).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        y = (act * acc_u.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(y_ptr + rm[:, None] * INNER + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < INNER))
-
-
 DEVICE = "cuda"  # --device cpu runs the rollout part on the smoke shape (a check of this script)
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
@@ -302,101 +247,69 @@ def part_attention(decoder, device: str) -> dict:
             "best": best, "default": default, "all": results}
 
 
-def part_gemm(decoder, device: str) -> dict:
+def sweep_gemm(name: str, n: int, k: int, device: str) -> dict:
+    """One projection of ``n`` output columns (for ``gate_up_silu``: both halves, n = 2 x intermediate):
+    cuBLAS (then ``silu_mul``) against the decode step's Triton kernel over a grid of tiles."""
     import torch
     import torch.nn.functional as F
     import triton
 
+    from kfrl.engines import kernels
+
+    swiglu = name == "gate_up_silu"
+    width = n // 2 if swiglu else n
+    copies = max(2, (256 * 2**20) // (n * k * 2) + 1)
+    weights = [torch.randn((n, k), device=DEVICE, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+    x = torch.randn((BATCH, k), device=DEVICE, dtype=torch.bfloat16)
+    y = torch.empty((BATCH, width), device=DEVICE, dtype=torch.bfloat16)
+
+    def reference(w):
+        return kernels.silu_mul(F.linear(x, w)) if swiglu else F.linear(x, w)
+
+    def cublas():
+        for w in weights:
+            reference(w)
+
+    row = {"n": n, "k": k, "bound_us": round(n * k * 2 / bandwidth(device) * 1e6, 2),
+           "cublas_us": round(graph_time(cublas, repeats=1) / copies * 1e6, 2), "triton": []}
+    for bm in (64, 128):
+        for bn in (32, 64) if swiglu else (32, 64, 128):
+            for bk in (64, 128):
+                for stages in (3, 4):
+                    grid = (triton.cdiv(BATCH, bm), triton.cdiv(width, bn))
+                    tiles = dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=stages)
+
+                    def tri():
+                        for w in weights:
+                            if swiglu:
+                                kernels._gate_up_silu_kernel[grid](x, w, y, BATCH, width, k, x.stride(0), **tiles)
+                            else:
+                                kernels._linear_kernel[grid](x, w, x, y, BATCH, n, k, x.stride(0), HAS_BIAS=False,
+                                                             **tiles)
+                    config = {"bm": bm, "bn": bn, "bk": bk, "stages": stages}
+                    try:
+                        tri()
+                        torch.cuda.synchronize()
+                        err = float((y.float() - reference(weights[-1]).float()).abs().max())
+                        us = graph_time(tri, repeats=1) / copies * 1e6
+                    except Exception as exc:
+                        row["triton"].append({**config, "error": str(exc)[:100]})
+                        continue
+                    row["triton"].append({**config, "us": round(us, 2), "max_err": round(err, 4)})
+    ok = [r for r in row["triton"] if "us" in r]
+    row["triton_best"] = min(ok, key=lambda r: r["us"]) if ok else None
+    weights.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def part_gemm(decoder, device: str) -> dict:
     spec = decoder.spec
     shapes = {"qkv": (spec.q_size + 2 * spec.kv_size, spec.hidden_size), "o": (spec.hidden_size, spec.q_size),
               "gate_up": (2 * spec.intermediate_size, spec.hidden_size),
+              "gate_up_silu": (2 * spec.intermediate_size, spec.hidden_size),
               "down": (spec.hidden_size, spec.intermediate_size)}
-    results = {}
-    for name, (n, k) in shapes.items():
-        copies = max(2, (256 * 2**20) // (n * k * 2) + 1)
-        weights = [torch.randn((n, k), device=DEVICE, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
-        x = torch.randn((BATCH, k), device=DEVICE, dtype=torch.bfloat16)
-        y = torch.empty((BATCH, n), device=DEVICE, dtype=torch.bfloat16)
-
-        def cublas():
-            for w in weights:
-                F.linear(x, w)
-
-        row = {"n": n, "k": k, "bound_us": round(n * k * 2 / bandwidth(device) * 1e6, 2),
-               "cublas_us": round(graph_time(cublas, repeats=1) / copies * 1e6, 2), "triton": []}
-        for bm in (64, 128):
-            for bn in (32, 64, 128):
-                for bk in (64, 128):
-                    for stages in (3, 4):
-                        grid = (triton.cdiv(BATCH, bm), triton.cdiv(n, bn))
-
-                        def tri():
-                            for w in weights:
-                                matmul[grid](x, w, y, BATCH, n, k, BM=bm, BN=bn, BK=bk, num_warps=4,
-                                             num_stages=stages)
-                        try:
-                            tri()
-                            torch.cuda.synchronize()
-                            err = float((y.float() - F.linear(x, weights[-1]).float()).abs().max())
-                            us = graph_time(tri, repeats=1) / copies * 1e6
-                        except Exception as exc:
-                            row["triton"].append({"bm": bm, "bn": bn, "bk": bk, "stages": stages,
-                                                  "error": str(exc)[:100]})
-                            continue
-                        row["triton"].append({"bm": bm, "bn": bn, "bk": bk, "stages": stages, "us": round(us, 2),
-                                              "max_err": round(err, 4)})
-        ok = [r for r in row["triton"] if "us" in r]
-        row["triton_best"] = min(ok, key=lambda r: r["us"]) if ok else None
-        results[name] = row
-        weights.clear()
-        torch.cuda.empty_cache()
-    results["gate_up_silu"] = gemm_swiglu(spec, device)
-    return results
-
-
-def gemm_swiglu(spec, device: str) -> dict:
-    """The gate/up projection and its SwiGLU: cuBLAS then the silu_mul kernel, against one Triton
-    kernel that does both (the (rows, 2 x intermediate) product never written)."""
-    import torch
-    import torch.nn.functional as F
-
-    from kfrl.engines import kernels
-
-    inner, k = spec.intermediate_size, spec.hidden_size
-    copies = max(2, (256 * 2**20) // (2 * inner * k * 2) + 1)
-    weights = [torch.randn((2 * inner, k), device=DEVICE, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
-    x = torch.randn((BATCH, k), device=DEVICE, dtype=torch.bfloat16)
-    y = torch.empty((BATCH, inner), device=DEVICE, dtype=torch.bfloat16)
-
-    def separate():
-        for w in weights:
-            kernels.silu_mul(F.linear(x, w))
-
-    row = {"inner": inner, "k": k, "bound_us": round(2 * inner * k * 2 / bandwidth(device) * 1e6, 2),
-           "cublas_plus_silu_us": round(graph_time(separate, repeats=1) / copies * 1e6, 2), "triton": []}
-    for bm in (64, 128):
-        for bn in (32, 64):
-            for bk in (64, 128):
-                for stages in (3, 4):
-                    grid = (triton.cdiv(BATCH, bm), triton.cdiv(inner, bn))
-
-                    def fused():
-                        for w in weights:
-                            gate_up_silu[grid](x, w, y, BATCH, inner, k, BM=bm, BN=bn, BK=bk, num_warps=4,
-                                               num_stages=stages)
-                    try:
-                        fused()
-                        torch.cuda.synchronize()
-                        err = float((y.float() - kernels.silu_mul(F.linear(x, weights[-1])).float()).abs().max())
-                        us = graph_time(fused, repeats=1) / copies * 1e6
-                    except Exception as exc:
-                        row["triton"].append({"bm": bm, "bn": bn, "bk": bk, "stages": stages, "error": str(exc)[:100]})
-                        continue
-                    row["triton"].append({"bm": bm, "bn": bn, "bk": bk, "stages": stages, "us": round(us, 2),
-                                          "max_err": round(err, 4)})
-    ok = [r for r in row["triton"] if "us" in r]
-    row["triton_best"] = min(ok, key=lambda r: r["us"]) if ok else None
-    return row
+    return {name: sweep_gemm(name, n, k, device) for name, (n, k) in shapes.items()}
 
 
 def part_rollout(decoder) -> dict:
