@@ -217,11 +217,12 @@ def decode_gemm_enabled(x: torch.Tensor) -> bool:
     return triton_enabled(x) and os.environ.get("KFRL_DECODE_GEMM") == "triton"
 
 
-def _gemm_tiles(rows: int, cols: int) -> tuple[int, int]:
+def _gemm_tiles(rows: int, cols: int, device: torch.device) -> tuple[int, int]:
     """Row and column tile sizes: the widest column tile that still gives every SM a program or more."""
     block_m = 64
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     for block_n in (128, 64):
-        if triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n) >= 132:
+        if triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n) >= sms:
             return block_m, block_n
     return block_m, 32
 
@@ -233,7 +234,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_m, block_n = _gemm_tiles(rows, n)
+    block_m, block_n = _gemm_tiles(rows, n, x.device)
     _linear_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
         x, weight, bias if bias is not None else x, out, rows, n, k, x.stride(0), HAS_BIAS=bias is not None,
         BM=block_m, BN=block_n, BK=128, num_warps=4, num_stages=4)
@@ -248,7 +249,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows, k = x.shape
     inner = weight.shape[0] // 2
     out = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
-    block_m, block_n = _gemm_tiles(rows, inner)
+    block_m, block_n = _gemm_tiles(rows, inner, x.device)
     _gate_up_silu_kernel[(triton.cdiv(rows, block_m), triton.cdiv(inner, min(block_n, 64)))](
         x, weight, out, rows, inner, k, x.stride(0), BM=block_m, BN=min(block_n, 64), BK=128, num_warps=4,
         num_stages=3)
