@@ -41,7 +41,10 @@ $(CHECKOV): infra/terraform/requirements-checkov.txt
 # the tests wait on subprocesses and servers much of the time, so two keep 2 cores busier than one.
 PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP) $(CHECKOV)
+# The two venvs install side by side: pip keeps about one core busy, so the second one's install costs
+# little more than the first's.
+test:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(CHECKOV)
 	$(PYTEST) -m "not gpu and not bench"
 	@$(MAKE) --no-print-directory test-portability
 
