@@ -36,8 +36,16 @@ $(CHECKOV): infra/terraform/requirements-checkov.txt
 	$(VENV)/checkov/bin/python -m pip install -q -r infra/terraform/requirements-checkov.txt
 	@touch $(CHECKOV)
 
-test: $(STAMP) $(CHECKOV)
-	$(VENV)/bin/pytest -q -m "not gpu and not bench"
+# Two pytest workers, each taking whole test files in collection order (tests/conftest.py collects the
+# longest first, builds the builtin models before any test runs and gives each worker one torch thread):
+# the tests wait on subprocesses and servers much of the time, so two keep 2 cores busier than one.
+PYTEST := $(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
+# The two venvs install side by side: pip keeps about one core busy, so the second one's install costs
+# little more than the first's.
+test:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(CHECKOV)
+	$(PYTEST) -m "not gpu and not bench"
 	@$(MAKE) --no-print-directory test-portability
 
 # The portability gate: the numerics-sensitive tests (marker `numerics`) once more under a foreign
@@ -49,7 +57,7 @@ FOREIGN_KERNELS := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CP
 	KFRL_CACHE_DIR=$(CURDIR)/$(VENV)/cache-foreign-kernels
 
 test-portability: $(STAMP)
-	$(FOREIGN_KERNELS) $(VENV)/bin/pytest -q -m "numerics and not gpu and not bench"
+	$(FOREIGN_KERNELS) $(PYTEST) -m "numerics and not gpu and not bench"
 
 compile: $(STAMP)
 	$(VENV)/bin/kfrl compile

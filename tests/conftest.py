@@ -17,6 +17,49 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# `make test` runs two pytest workers (pytest-xdist) on 2 cores: each computes with one torch thread, or
+# the two would oversubscribe the cores and spin in OpenMP barriers. Set before any test module imports
+# torch (the subprocesses a test starts inherit it too).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker
+        import torch
+
+        torch.set_num_threads(1)
+
+
+# The builtin models and the test files that use them (None: nearly every file).
+BUILTIN_USERS = {"tiny-qwen2-arith": None, "tiny-qwen2-arith-tools": "tests/test_agent.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The xdist controller builds the builtin models the collected tests use before any test runs,
+    with all of this machine's cores, as one serial run would: workers racing to build the same model
+    on a cold cache both train it, oversubscribed, for many minutes."""
+    from kfrl.models.tiny import materialize_builtin
+
+    for name, user in BUILTIN_USERS.items():
+        if user is None or any(test_id.startswith(user + "::") for test_id in ids):
+            materialize_builtin(name)  # built by the first worker's call; found in the cache after
+
+
+# The test files that take longest (seconds of a worker's time), collected and handed out first: two
+# workers take whole files in collection order (`-n 2 --dist loadfile --no-loadscope-reorder`), so
+# starting the long ones first keeps both busy to the end instead of leaving one to finish a long file
+# alone.
+LONGEST_FIRST = ("test_distributed", "test_resident_engine", "test_chaos", "test_cluster", "test_e2e", "test_agent",
+                 "test_kernels", "test_reliability", "test_synthetic_and_tiny", "test_mlflow_home",
+                 "test_engine_workload", "test_tracking", "test_algo_kfp", "test_lora", "test_trainer_state")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.path)).stem, len(rank)))  # stable: files keep their order
+
 
 def free_port() -> int:
     with socket.socket() as s:

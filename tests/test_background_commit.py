@@ -103,6 +103,7 @@ def test_the_update_returns_before_its_weights_are_written_and_the_next_rollout_
 def test_a_failed_background_write_commits_nothing_and_stops_the_next_commit(run, monkeypatch):
     for stage in STAGES:
         run_stage(stage, run.uri, 1)
+    settle_in_flight()  # iteration 1's weights are written before the writer fails (on a busy machine: not yet)
     started = threading.Event()
     slow_weights(monkeypatch, 0.2, started, fail=True)
     for stage in STAGES[:STAGES.index("update_actor") + 1]:

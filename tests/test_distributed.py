@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from kfrl.config import load_config
 from kfrl.distributed import DistributedUpdateError
+from kfrl.distributed.launch import worker_env
 from kfrl.run import Run
 from kfrl.stages import STAGES, context, run_stage, update
 from kfrl.stages.prepare import prepare_run
@@ -47,7 +48,9 @@ def same_threads(world_size: int = 2):
     (``kfrl.distributed.launch.worker_env``), so a kernel whose blocking follows the thread count splits
     its work alike on both sides."""
     saved = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # What the launcher gives each worker: a share of the cores, or OMP_NUM_THREADS where it is set
+    # (as under `make test`'s pytest workers).
+    torch.set_num_threads(int(worker_env(0, world_size, 0, cpu=True)["OMP_NUM_THREADS"]))
     try:
         yield
     finally:

@@ -116,17 +116,10 @@ def ensure_sqlite_database(db_path: Path) -> None:
         os.replace(db_path, aside)
         logger.warning("MLflow database %s was half-created (a process was killed while creating it) and held "
                        "no runs; moved it to %s and creating it again", db_path, aside)
-    import sqlalchemy
-    from mlflow.store.db.utils import _initialize_tables  # what MLflow itself runs on a new database
-
     _remove_dead_temporaries(db_path)
     tmp = db_path.with_name(f".{db_path.name}.init-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        engine = sqlalchemy.create_engine(f"sqlite:///{tmp}")
-        try:
-            _initialize_tables(engine)
-        finally:
-            engine.dispose()
+        _write_new_database(tmp)
         failpoint("mlflow_init")
         try:
             os.link(tmp, db_path)
@@ -134,6 +127,31 @@ def ensure_sqlite_database(db_path: Path) -> None:
             pass  # created meanwhile by another process: theirs is whole too
     finally:
         tmp.unlink(missing_ok=True)
+
+
+_NEW_DATABASE: bytes | None = None  # an empty database's file, as MLflow's migrations left it
+
+
+def _write_new_database(path: Path) -> None:
+    """MLflow's empty database at ``path``. MLflow's migrations (~1 s) run once per process; later
+    databases are copies of that first file (the same tables at the same schema revision), so a
+    process that creates several (a notebook, the test suite) pays them once."""
+    global _NEW_DATABASE
+    if _NEW_DATABASE is not None:
+        with open(path, "wb") as fh:
+            fh.write(_NEW_DATABASE)
+            fh.flush()
+            os.fsync(fh.fileno())  # on disk before it is linked into place, as SQLite's own commit is
+        return
+    import sqlalchemy
+    from mlflow.store.db.utils import _initialize_tables  # what MLflow itself runs on a new database
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+    try:
+        _initialize_tables(engine)
+    finally:
+        engine.dispose()
+    _NEW_DATABASE = path.read_bytes()
 
 
 def _remove_dead_temporaries(db_path: Path) -> None:
