@@ -207,10 +207,9 @@ def test_builtin_second_call_is_cached(builtin_dir):
 
 
 @pytest.mark.numerics
-def test_warm_start_learned_the_task():
-    # The builtin model's behaviour, which depends on the kernels it was trained with: the one in the
-    # shared cache (what every other test and make test-portability use).
-    builtin_dir = materialize_builtin(f"builtin:{BUILTIN}")
+def test_warm_start_learned_the_task(builtin_dir):
+    # The builtin model's behaviour, which depends on the kernels it was trained with (the shared cache's,
+    # as every other test and make test-portability use).
     model, tok = load_causal_lm(builtin_dir), load_tokenizer(builtin_dir)
     rows = make_arith_rows(64, seed=0, split="test")
     sampled = answer_accuracy(model, tok, rows, do_sample=True, seed=0)
