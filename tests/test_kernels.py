@@ -16,6 +16,8 @@ import torch
 pytest.importorskip("triton")
 
 CHECKS = textwrap.dedent(r"""
+    import os
+
     import torch
     from kfrl.engines import kernels
 
@@ -91,6 +93,12 @@ CHECKS = textwrap.dedent(r"""
         bias[2, 100:] = float("-inf")  # columns not yet written
         ref = kernels.decode_attention_ref(q, keys, values, bias)
         got = kernels.decode_attention(q, keys, values, bias)
+        # The decode step's form: the whole bias, the length read from the step's column on the device.
+        column = torch.tensor([length - 1], device=device)
+        wide = torch.zeros(rows, columns, device=device, dtype=dtype)
+        wide[:, :length] = bias
+        by_column = kernels.decode_attention(q, keys, values, wide, column)
+        ref_by_column = kernels.decode_attention_ref(q, keys, values, wide, column)
         # Scores q.k / sqrt(hd): each within e_s = (gamma(hd) + 2u) max sum_i |q_i k_i| / sqrt(hd); the
         # softmax weights then within a relative 2 e_s + gamma(L) + 4u, and the output sum over L columns
         # adds gamma(L): per side (2 e_s + 2 gamma(L) + 4u) max|v|, between the two twice that.
@@ -101,6 +109,60 @@ CHECKS = textwrap.dedent(r"""
         vmax = float(values.float().abs().max())
         attention_tol = 2e-2 if dtype == torch.bfloat16 else 2 * (2 * e_s + 2 * gamma(length) + 4 * u) * vmax
         assert torch.allclose(got, ref, atol=attention_tol, rtol=0), ("attention", heads, (got - ref).abs().max())
+        assert torch.equal(by_column, got), ("attention by column", heads)
+        assert torch.allclose(ref_by_column, ref, atol=attention_tol, rtol=0), ("reference by column", heads)
+
+    # rope_attention: rotary, the K/V write and attention in one kernel; the step's own column from
+    # registers, the columns after it ignored whatever their bias says
+    for heads, kv, head_dim, with_norm in ((14, 2, 64, False), (4, 2, 24, True)):
+        rows, columns, at = 3, 150, 129
+        qkv = rand(rows, (heads + 2 * kv) * head_dim)
+        positions = torch.tensor([at, 60, 100], device=device)
+        angles = torch.rand(200, head_dim // 2, generator=g).to(device) * 6
+        cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+        sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+        qn, kn = (rand(head_dim), rand(head_dim)) if with_norm else (None, None)
+        column = torch.tensor([at], device=device)
+        before = rand(2, rows, kv, columns, head_dim)
+        caches = [before.clone(), before.clone()]
+        bias = torch.zeros(rows, columns, device=device, dtype=dtype)
+        bias[0, :70] = float("-inf")
+        bias[2, 100:at] = float("-inf")
+        ref = kernels.rope_attention_ref(qkv, positions, cos, sin, qn, kn, 1e-6, caches[0][0], caches[0][1], column,
+                                         bias, heads, kv, head_dim)
+        got = kernels.rope_attention(qkv, positions, cos, sin, qn, kn, 1e-6, caches[1][0], caches[1][1], column,
+                                     bias, heads, kv, head_dim)
+        normed = (head_dim ** 0.5 * max(float(qn.abs().max()), float(kn.abs().max())) if with_norm
+                  else float(qkv.abs().max()))
+        rope_tol = tol(head_dim if with_norm else 1, 2 * normed, steps=8)
+        assert torch.allclose(caches[1], caches[0], atol=rope_tol, rtol=0), ("fused cache write", head_dim)
+        assert torch.equal(caches[1][:, :, :, :at], before[:, :, :, :at]), "fused: earlier columns untouched"
+        # As decode_attention's bound, with each score also off by the rotated q and k's own error.
+        scratch = [before[0].clone(), before[1].clone()]
+        q_rot = kernels.rope_to_cache_ref(qkv, positions, cos, sin, qn, kn, 1e-6, scratch[0], scratch[1], column,
+                                          heads, kv, head_dim).float().abs().unflatten(1, (kv, heads // kv))
+        keys_abs = caches[0][0].float().abs()[:, :, :at + 1]
+        qk = torch.einsum("bkgd,bkcd->bkgc", q_rot, keys_abs).max() / head_dim ** 0.5
+        e_s = ((gamma(head_dim) + 2 * u) * float(qk)
+               + head_dim ** 0.5 * rope_tol * (float(q_rot.max()) + float(keys_abs.max())))
+        vmax = float(caches[0][1].float().abs()[:, :, :at + 1].max())
+        fused_tol = 2e-2 if dtype == torch.bfloat16 else 2 * (2 * e_s + 2 * gamma(at + 1) + 4 * u) * vmax
+        assert torch.allclose(got, ref, atol=fused_tol, rtol=0), ("rope_attention", heads, (got - ref).abs().max())
+
+    # The decode step's Triton GEMMs (KFRL_DECODE_GEMM=triton): rows and columns that fill no tile
+    os.environ["KFRL_DECODE_GEMM"] = "triton"
+    x, w, b = rand(70, 200), rand(150, 200, scale=200 ** -0.5), rand(150)
+    ref = torch.nn.functional.linear(x, w, b)  # two float32 dot products of 200 terms, the bias added once
+    gemm_tol = tol(200, (x.abs() @ w.abs().t()).max(), steps=2)
+    assert torch.allclose(kernels.linear(x, w, b), ref, atol=gemm_tol, rtol=0), "linear"
+    assert torch.allclose(kernels.linear(x, w), ref - b, atol=gemm_tol, rtol=0), "linear without bias"
+    w2 = rand(2 * 90, 200, scale=200 ** -0.5)
+    ref = kernels.silu_mul_ref(torch.nn.functional.linear(x, w2))
+    # the products within gemm_tol each; silu(g) u moves by at most (|u| max|silu'| + |silu(g)|) of that
+    inputs = (x.abs() @ w2.abs().t())
+    swiglu_tol = tol(200, inputs.max(), steps=2) * (1.1 * inputs.max() + 1.1 * inputs.max()) + tol(1, ref.abs().max(), 8)
+    assert torch.allclose(kernels.gate_up_silu(x, w2), ref, atol=swiglu_tol, rtol=0), "gate_up_silu"
+    del os.environ["KFRL_DECODE_GEMM"]
 
     gate_up = rand(4, 2 * 1100)
     ref = kernels.silu_mul_ref(gate_up)  # elementwise: exp, add, divide, two products (~8 u relative)

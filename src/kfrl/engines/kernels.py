@@ -82,17 +82,30 @@ def rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps,
 
 
 def decode_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         attn_bias: torch.Tensor) -> torch.Tensor:
+                         attn_bias: torch.Tensor, column: torch.Tensor | None = None) -> torch.Tensor:
     """q (b, heads, hd) against keys/values (b, kv_heads, >=L, hd) over the first L = attn_bias.shape[1]
-    columns, attn_bias (b, L) additive. Returns (b, heads * hd)."""
+    columns, attn_bias (b, L) additive; with ``column`` (1,), only the columns up to and including it
+    (the decode step's own). Returns (b, heads * hd)."""
     b, heads, head_dim = q.shape
     kv_heads, length = keys.shape[1], attn_bias.shape[1]
+    if column is not None:  # masked rather than sliced: the column lives on the device (no host read)
+        later = torch.arange(length, device=attn_bias.device) > column
+        attn_bias = attn_bias.masked_fill(later, float("-inf"))
     # The query heads that share a KV head are laid out as that head's "query rows", so plain
     # attention serves grouped-query attention without repeating K/V.
     grouped = q.unflatten(1, (kv_heads, heads // kv_heads))
     out = torch.nn.functional.scaled_dot_product_attention(
         grouped, keys[:, :, :length], values[:, :, :length], attn_mask=attn_bias[:, None, None, :])
     return out.flatten(1)
+
+
+def rope_attention_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column, attn_bias,
+                       n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The decode step's attention from its fused projection: ``rope_to_cache_ref`` (the step's K/V into
+    the cache at ``column``), then ``decode_attention_ref`` over the columns up to ``column``."""
+    q = rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
+                          n_heads, n_kv_heads, head_dim)
+    return decode_attention_ref(q, keys, values, attn_bias, column)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -115,6 +128,10 @@ def record_ref(new_tokens, new_logprobs, finished, sequence, tokens, positions, 
 
 
 # --- dispatch -----------------------------------------------------------------------------------------
+
+# decode_attention's launch: columns per block of its online softmax, warps per program.
+ATTENTION_BLOCK_N = 64
+ATTENTION_WARPS = 4
 
 def add_rms_norm(x, delta, weight, eps):
     """(x + delta, rms_norm(x + delta) * weight) for x (b, hidden); delta None = no residual add.
@@ -144,17 +161,42 @@ def rope_to_cache(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, key
     return q
 
 
-def decode_attention(q, keys, values, attn_bias):
+def decode_attention(q, keys, values, attn_bias, column=None):
+    """``decode_attention_ref`` in one kernel. With ``column`` the kernel reads the attended length
+    (column + 1) on the device, so one captured step serves every length of a rollout."""
     if not triton_enabled(q):
-        return decode_attention_ref(q, keys, values, attn_bias)
+        return decode_attention_ref(q, keys, values, attn_bias, column)
     b, heads, head_dim = q.shape
     kv_heads, length = keys.shape[1], attn_bias.shape[1]
     group = heads // kv_heads
     out = torch.empty((b, heads, head_dim), dtype=q.dtype, device=q.device)
     _decode_attention_kernel[(b, kv_heads)](
-        q, keys, values, attn_bias, out, length, attn_bias.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
-        head_dim ** -0.5, GROUP=group, HD=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=64)
+        q, keys, values, attn_bias, out, length, column if column is not None else attn_bias, attn_bias.stride(0),
+        keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, GROUP=group, HD=head_dim,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=ATTENTION_BLOCK_N, LENGTH_FROM_COLUMN=column is not None, num_warps=ATTENTION_WARPS)
+    return out.flatten(1)
+
+
+def rope_attention(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column, attn_bias,
+                   n_heads: int, n_kv_heads: int, head_dim: int):
+    """``rope_attention_ref`` in one kernel: each (sequence, KV head) program rotates its query heads and
+    its key in registers, writes the key and value to the cache, and attends the earlier columns from
+    the cache and its own from registers. Returns (b, heads * hd)."""
+    if not triton_enabled(qkv):
+        return rope_attention_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
+                                  attn_bias, n_heads, n_kv_heads, head_dim)
+    b = qkv.shape[0]
+    group = n_heads // n_kv_heads
+    out = torch.empty((b, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm is not None
+    _rope_attention_kernel[(b, n_kv_heads)](
+        qkv, positions, cos_table, sin_table, q_norm if has_norm else qkv, k_norm if has_norm else qkv, eps,
+        keys, values, attn_bias, out, column, attn_bias.shape[1], qkv.stride(0), attn_bias.stride(0),
+        keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, N_HEADS=n_heads, GROUP=group,
+        HD=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HALF_BLOCK=max(16, triton.next_power_of_2(head_dim // 2)), BLOCK_N=ATTENTION_BLOCK_N, HAS_NORM=has_norm,
+        num_warps=ATTENTION_WARPS)
     return out.flatten(1)
 
 
@@ -166,6 +208,51 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, inner), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inner, block))](gate_up, out, inner, BLOCK=block)
+    return out
+
+
+def decode_gemm_enabled(x: torch.Tensor) -> bool:
+    """Whether the decode step's projections run on the Triton GEMMs below instead of cuBLAS
+    (``KFRL_DECODE_GEMM=triton``: a benchmark switch while they are measured)."""
+    return triton_enabled(x) and os.environ.get("KFRL_DECODE_GEMM") == "triton"
+
+
+def _gemm_tiles(rows: int, cols: int, device: torch.device) -> tuple[int, int]:
+    """Row and column tile sizes: the widest column tile that still gives every SM a program or more."""
+    block_m = 64
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    for block_n in (128, 64):
+        if triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n) >= sms:
+            return block_m, block_n
+    return block_m, 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a decode step's (rows, in) activations: x @ weight.T (+ bias)."""
+    if not decode_gemm_enabled(x):
+        return torch.nn.functional.linear(x, weight, bias)
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_m, block_n = _gemm_tiles(rows, n, x.device)
+    _linear_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
+        x, weight, bias if bias is not None else x, out, rows, n, k, x.stride(0), HAS_BIAS=bias is not None,
+        BM=block_m, BN=block_n, BK=128, num_warps=4, num_stages=4)
+    return out
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_mul(linear(x, weight))`` for weight = [gate; up] (2 inner, in), in one kernel: the
+    (rows, 2 inner) product is never written."""
+    if not decode_gemm_enabled(x):
+        return silu_mul(torch.nn.functional.linear(x, weight))
+    rows, k = x.shape
+    inner = weight.shape[0] // 2
+    out = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
+    block_m, block_n = _gemm_tiles(rows, inner, x.device)
+    _gate_up_silu_kernel[(triton.cdiv(rows, block_m), triton.cdiv(inner, min(block_n, 64)))](
+        x, weight, out, rows, inner, k, x.stride(0), BM=block_m, BN=min(block_n, 64), BK=128, num_warps=4,
+        num_stages=3)
     return out
 
 
@@ -280,12 +367,16 @@ if triton is not None:
     # between calls can trigger a compile mid-rollout. The lengths may, the cache strides must not:
     # their divisibility is what lets Triton vectorise the K/V loads (unspecialised: 2.5x slower).
     @triton.jit(do_not_specialize=["length", "bias_stride"])
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, length, bias_stride, row_stride, head_stride,
-                                 col_stride, scale, GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
-                                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, length, col_ptr, bias_stride, row_stride,
+                                 head_stride, col_stride, scale, GROUP: tl.constexpr, HD: tl.constexpr,
+                                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 LENGTH_FROM_COLUMN: tl.constexpr):
         """One program per (sequence, KV head): its GROUP query heads against the cached columns,
-        with an online softmax over blocks of BLOCK_N columns (flash-decoding without the split)."""
+        with an online softmax over blocks of BLOCK_N columns (flash-decoding without the split).
+        LENGTH_FROM_COLUMN: attend columns 0..col_ptr[0] (at most ``length``) instead of ``length``."""
         row = tl.program_id(0).to(tl.int64)
+        if LENGTH_FROM_COLUMN:
+            length = tl.minimum(tl.load(col_ptr).to(tl.int32) + 1, length)
         kv_head = tl.program_id(1)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
@@ -317,6 +408,152 @@ if triton is not None:
         out = acc / total[:, None]
         out_rows = out_ptr + (row * GROUP * tl.num_programs(1) + kv_head * GROUP + g[:, None]) * HD + d[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+    @triton.jit
+    def _head_norm_rows(x1, x2, w_ptr, offs, mask, eps, HD: tl.constexpr):
+        """``_head_norm`` for a block of heads, one per row: (rows, HD/2) halves."""
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        variance = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / HD
+        scale = tl.rsqrt(variance + eps)[:, None]
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HD // 2 + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
+        y1 = (w1 * (x1f * scale).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        y2 = (w2 * (x2f * scale).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+        return y1, y2
+
+    @triton.jit
+    def _rotate_rows(x1, x2, cos, sin):
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
+
+    @triton.jit(do_not_specialize=["columns", "bias_stride"])
+    def _rope_attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, k_ptr, v_ptr, bias_ptr,
+                               out_ptr, col_ptr, columns, qkv_stride, bias_stride, row_stride, head_stride, col_stride,
+                               scale, N_HEADS: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+                               BLOCK_G: tl.constexpr, HALF_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                               HAS_NORM: tl.constexpr):
+        """One program per (sequence, KV head). Vectors are kept as their two rotary halves, so that the
+        rotation needs no shuffle: scores are q1.k1 + q2.k2 and the output is written half by half."""
+        row = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        half: tl.constexpr = HD // 2
+        g = tl.arange(0, BLOCK_G)
+        h = tl.arange(0, HALF_BLOCK)
+        n = tl.arange(0, BLOCK_N)
+        g_mask, h_mask = g < GROUP, h < half
+        column = tl.load(col_ptr).to(tl.int32)
+        pos = tl.load(pos_ptr + row)
+        cos = tl.load(cos_ptr + pos * HD + h, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + pos * HD + h, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+        src = qkv_ptr + row * qkv_stride
+        q_at = src + (kv_head * GROUP + g[:, None]) * HD + h[None, :]
+        q_mask = g_mask[:, None] & h_mask[None, :]
+        q1 = tl.load(q_at, mask=q_mask, other=0.0)
+        q2 = tl.load(q_at + half, mask=q_mask, other=0.0)
+        k_at = src + (N_HEADS + kv_head) * HD + h[None, :]
+        v_at = src + (N_HEADS + tl.num_programs(1) + kv_head) * HD + h[None, :]
+        k1 = tl.load(k_at, mask=h_mask[None, :], other=0.0)
+        k2 = tl.load(k_at + half, mask=h_mask[None, :], other=0.0)
+        v1 = tl.load(v_at, mask=h_mask[None, :], other=0.0)
+        v2 = tl.load(v_at + half, mask=h_mask[None, :], other=0.0)
+        if HAS_NORM:
+            q1, q2 = _head_norm_rows(q1, q2, qn_ptr, h, h_mask, eps, HD)
+            k1, k2 = _head_norm_rows(k1, k2, kn_ptr, h, h_mask, eps, HD)
+        q1, q2 = _rotate_rows(q1, q2, cos, sin)
+        k1, k2 = _rotate_rows(k1, k2, cos, sin)
+        base = row * row_stride + kv_head * head_stride
+        here = base + column * col_stride + h[None, :]
+        tl.store(k_ptr + here, k1, mask=h_mask[None, :])
+        tl.store(k_ptr + here + half, k2, mask=h_mask[None, :])
+        tl.store(v_ptr + here, v1, mask=h_mask[None, :])
+        tl.store(v_ptr + here + half, v2, mask=h_mask[None, :])
+        # The step's own column, from registers (this program's stores are not yet visible to its loads).
+        own_bias = tl.load(bias_ptr + row * bias_stride + column).to(tl.float32)
+        own = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
+               + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale + own_bias
+        best = own
+        seen = tl.where(own == float("-inf"), 0.0, 1.0)
+        total = seen
+        acc1 = seen[:, None] * v1.to(tl.float32)
+        acc2 = seen[:, None] * v2.to(tl.float32)
+        length = tl.minimum(column, columns)
+        for start in range(0, length, BLOCK_N):
+            cols = start + n
+            c_mask = cols < length
+            at = base + cols[:, None] * col_stride + h[None, :]
+            kv_mask = c_mask[:, None] & h_mask[None, :]
+            c1 = tl.load(k_ptr + at, mask=kv_mask, other=0.0)
+            c2 = tl.load(k_ptr + at + half, mask=kv_mask, other=0.0)
+            bias = tl.load(bias_ptr + row * bias_stride + cols, mask=c_mask, other=float("-inf")).to(tl.float32)
+            scores = (tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))).to(tl.float32) * scale + bias[None, :]
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            # Rows that have seen only masked columns keep -inf; exp(-inf - -inf) would be NaN.
+            safe = tl.where(new_best == float("-inf"), 0.0, new_best)
+            weights = tl.exp(scores - safe[:, None])
+            rescale = tl.exp(best - safe)
+            total = total * rescale + tl.sum(weights, axis=1)
+            w = weights.to(c1.dtype)
+            d1 = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
+            d2 = tl.load(v_ptr + at + half, mask=kv_mask, other=0.0)
+            acc1 = acc1 * rescale[:, None] + tl.dot(w, d1).to(tl.float32)
+            acc2 = acc2 * rescale[:, None] + tl.dot(w, d2).to(tl.float32)
+            best = new_best
+        out_at = out_ptr + (row * N_HEADS + kv_head * GROUP + g[:, None]) * HD + h[None, :]
+        tl.store(out_at, (acc1 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(out_at + half, (acc2 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+        """y = x @ w.T (+ b): programs along M vary fastest, so those reading one weight tile run together
+        and the weights are read from memory about once."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        xp = x_ptr + rm[:, None].to(tl.int64) * x_stride + rk[None, :]
+        wp = w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None]
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] < K - k), other=0.0)
+            b = tl.load(wp, mask=(rn[None, :] < N) & (rk[:, None] < K - k), other=0.0)
+            acc = tl.dot(a, b, acc)
+            xp += BK
+            wp += BK
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, INNER, K, x_stride, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr):
+        """y = silu(x @ gate.T) * (x @ up.T), w = [gate; up]: each program computes the same columns of
+        both halves; the products are rounded to the model dtype before the activation, as the unfused
+        projection + ``silu_mul`` pair does."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        xp = x_ptr + rm[:, None].to(tl.int64) * x_stride + rk[None, :]
+        gp = w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None]
+        up = gp + INNER.to(tl.int64) * K
+        acc_g = tl.zeros((BM, BN), tl.float32)
+        acc_u = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] < K - k), other=0.0)
+            w_mask = (rn[None, :] < INNER) & (rk[:, None] < K - k)
+            acc_g = tl.dot(a, tl.load(gp, mask=w_mask, other=0.0), acc_g)
+            acc_u = tl.dot(a, tl.load(up, mask=w_mask, other=0.0), acc_u)
+            xp += BK
+            gp += BK
+            up += BK
+        dtype = y_ptr.dtype.element_ty
+        gate = acc_g.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = (act * acc_u.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * INNER + rn[None, :], y,
+                 mask=(rm[:, None] < M) & (rn[None, :] < INNER))
 
     @triton.jit(do_not_specialize=["slice_size", "splits"])
     def _sample_partial_kernel(logits_ptr, vocab, slice_size, inv_temp, partial_ptr, index_ptr, splits,

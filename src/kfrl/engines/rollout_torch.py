@@ -12,9 +12,9 @@ One call generates n samples for each of P prompts (B = P * n sequences):
    which ``rollout.micro_batch_size`` bounds. Left-padding puts token t of every response in the same
    column P_max + t, so one column index serves the whole batch.
 3. **Decode**: one step (embedding → blocks → logits → sampling → bookkeeping) per token, captured
-   as a CUDA graph per (batch bucket, attended-length bucket) on first use and replayed after. The
-   attended length grows in buckets of 64 columns, so early steps do not read the empty cache.
-   Sampling (temperature, top-k, top-p, greedy) and the sampled token's log-prob run inside the
+   as a CUDA graph per batch bucket on first use and replayed after. The attention kernel reads the
+   step's column on the device and attends exactly the columns written so far, so one graph serves
+   every step and no step reads the empty end of the cache. Sampling (temperature, top-k, top-p, greedy) and the sampled token's log-prob run inside the
    graph; per-step logits are never kept. Tokens and log-probs go straight into (B, R) outputs.
 4. **Finished sequences stop costing work**: every few steps the host reads how many sequences are
    still running; when they fit a smaller batch bucket, the running rows are compacted to the front
@@ -25,7 +25,6 @@ On CPU (or with ``use_cuda_graphs=False``) the same step runs eagerly and compac
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,6 @@ from kfrl.engines.decoder import Decoder
 from kfrl.engines.rollout import Generation, SamplingParams, generations_from_tokens, left_pad
 from kfrl.engines.sampling import sample_tokens
 
-LENGTH_BUCKET = 64          # attended columns grow in steps of this many
 CHECK_EVERY_GPU = 8         # decode steps between host reads of the running count (each read syncs)
 PREFILL_TOKEN_BUDGET = 16384
 _BATCH_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -180,20 +178,19 @@ class TorchRollout:
                 sample, report=None) -> None:
         """``report(sequences)``, when given, hears at every host check which sequences have ended since
         the last (a multi-turn rollout starts their tool calls while the others decode)."""
-        columns = st.attn_bias.shape[1]
         # Plain temperature sampling and greedy run fused in one Triton kernel; top-k/top-p sort in PyTorch.
         fused_sampling = kernels.triton_enabled(st.cache) and params.top_k <= 0 and params.top_p >= 1.0
         seed = torch.randint(0, 2**31 - 1, (1,)).to(st.cache.device)  # from the seeded CPU generator
         buckets = batch_buckets(batch) if self.bucketed else None
         active = batch
-        graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         check_every = CHECK_EVERY_GPU if self.use_cuda_graphs else 1
 
-        def step(rows: int, length: int) -> None:
+        def step(rows: int) -> None:
             st.attn_bias[:rows].index_fill_(1, st.column, 0.0)
             logits = self.decoder.decode(st.tokens[:rows], st.positions[:rows], st.cache, st.column,
-                                         st.attn_bias[:rows, :length])
+                                         st.attn_bias[:rows])
             state = dict(finished=st.finished[:rows], sequence=st.sequence[:rows], tokens=st.tokens[:rows],
                          positions=st.positions[:rows], eos_table=self._eos_table, out_tokens=st.out_tokens,
                          out_logprobs=st.out_logprobs, column=st.column, longest=longest, pad_id=self.pad_id)
@@ -220,24 +217,23 @@ class TorchRollout:
                 if target < active:
                     self._compact(st, active, target, batch)
                     active = target
-            length = min(columns, longest + LENGTH_BUCKET * math.ceil((t + 1) / LENGTH_BUCKET))
             if not self.use_cuda_graphs:
-                step(active, length)
-            elif (active, length) in graphs:
-                graphs[(active, length)].replay()
+                step(active)
+            elif active in graphs:
+                graphs[active].replay()
             else:
                 # The first step of a new shape runs eagerly on a side stream (warm-up for capture; it is a
                 # real step), then the shape is captured; capturing records kernels without running them.
                 side = warmup_stream(st.cache.device)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    step(active, length)
+                    step(active)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: a trainer-state write may be copying on another thread of this process.
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    step(active, length)
-                graphs[(active, length)] = graph
+                    step(active)
+                graphs[active] = graph
                 self.stats["graphs_captured"] += 1
             self.stats["decode_steps"] += 1
         if graphs:

@@ -1,0 +1,375 @@
+"""Where a decode step of the ``torch`` rollout backend spends its time, on one GPU (random-init weights
+of a Qwen2.5 shape, bf16, built straight on the device: no checkpoint).
+
+    python bench/decode_step.py --shape 0.5b [--parts profile,attention,gemm,rollout] --out step.json
+
+- ``profile``: one decode step of 256 sequences at column 261 (133 prompt + 128 response tokens, the
+  middle of the 256 x 256 workload) captured as a CUDA graph: the wall time of a replay (CUDA events)
+  against the sum of its kernels' times (torch.profiler), kernels grouped by name; the CPU time of one
+  capture (warm-up step + capture + instantiate).
+- ``attention``: the decode attention kernel alone over every layer's cache, per launch configuration
+  (columns per block, warps, pipeline stages), against its bytes at the card's bandwidth.
+- ``gemm``: each projection of a block (x @ W^T, 256 rows) through cuBLAS (``F.linear``) and through a
+  plain Triton GEMM over a grid of tile sizes; weights rotated through copies larger than L2, as the
+  layers of a real step are.
+- ``rollout``: ``TorchRollout.generate_responses`` on 64 prompts x 4 samples, 133 + 256 tokens, no
+  EOS (every sequence runs 256 tokens): tokens per second of the second call, the first call's seconds,
+  and the engine's stats. Run it once per source tree (e.g. PYTHONPATH of an older checkout) to
+  compare code versions in one device call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BATCH, PROMPT, NEW = 256, 133, 256
+DEVICE = "cuda"  # --device cpu runs the rollout part on the smoke shape (a check of this script)
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def bandwidth(name: str) -> float:
+    return next((v for k, v in BANDWIDTH.items() if k in name), 3.35e12)
+
+
+def sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_decoder(shape: str):
+    import torch
+
+    from gpu_iteration import SHAPES
+    from kfrl.engines.decoder import Decoder
+
+    s = SHAPES[shape]
+    config = SimpleNamespace(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
+                             use_sliding_window=False, mlp_bias=False, rope_scaling=None, **s)
+    heads, kv = s["num_attention_heads"], s["num_key_value_heads"]
+    hd = s["hidden_size"] // heads
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    made: dict[str, torch.Tensor] = {}
+
+    def get(name: str):
+        if name in made:
+            return made[name]
+        h, inter = s["hidden_size"], s["intermediate_size"]
+        shapes = {"q_proj.weight": (heads * hd, h), "k_proj.weight": (kv * hd, h), "v_proj.weight": (kv * hd, h),
+                  "q_proj.bias": (heads * hd,), "k_proj.bias": (kv * hd,), "v_proj.bias": (kv * hd,),
+                  "o_proj.weight": (h, heads * hd), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h),
+                  "down_proj.weight": (h, inter), "input_layernorm.weight": (h,),
+                  "post_attention_layernorm.weight": (h,), "embed_tokens.weight": (s["vocab_size"], h),
+                  "norm.weight": (h,)}
+        if name == "lm_head.weight" and not s["tie_word_embeddings"]:
+            shape_ = (s["vocab_size"], h)
+        else:
+            shape_ = next((v for k, v in shapes.items() if name.endswith("." + k)), None)
+        if shape_ is None:
+            return None
+        t = torch.randn(shape_, generator=g, device=DEVICE, dtype=torch.float32)
+        t = (1.0 + 0.1 * t) if "norm" in name else t * (shape_[-1] ** -0.5)
+        made[name] = t.to(torch.bfloat16)
+        return made[name]
+
+    return Decoder.from_tensors(config, get, device=DEVICE, dtype=torch.bfloat16)
+
+
+def graph_time(fn, repeats: int = 20, rounds: int = 5) -> float:
+    """Seconds per ``fn()`` call, from replays of one CUDA graph holding ``repeats`` calls."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / repeats)
+    return statistics.median(times)
+
+
+def step_state(decoder, column: int = PROMPT + 128):
+    import torch
+
+    spec = decoder.spec
+    columns = PROMPT + NEW - 1
+    decoder.rope_tables(PROMPT + NEW)
+    cache = torch.randn((spec.n_layers, 2, BATCH, spec.n_kv_heads, columns, spec.head_dim), device=DEVICE,
+                        dtype=torch.bfloat16)
+    bias = torch.full((BATCH, columns), float("-inf"), device=DEVICE, dtype=torch.bfloat16)
+    bias[:, :column + 1] = 0
+    return dict(tokens=torch.randint(0, spec.vocab_size, (BATCH,), device=DEVICE),
+                positions=torch.full((BATCH,), column, device=DEVICE), cache=cache,
+                column=torch.tensor([column], device=DEVICE), attn_bias=bias)
+
+
+def part_profile(decoder, device: str) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kfrl.engines import kernels
+
+    state = step_state(decoder)
+    rows = BATCH
+    out = dict(finished=torch.zeros(rows, dtype=torch.bool, device=DEVICE), sequence=torch.arange(rows, device=DEVICE),
+               tokens=state["tokens"], positions=state["positions"].clone(),
+               eos_table=torch.zeros(decoder.spec.vocab_size, dtype=torch.bool, device=DEVICE),
+               out_tokens=torch.zeros((rows + 1, NEW), dtype=torch.long, device=DEVICE),
+               out_logprobs=torch.zeros((rows + 1, NEW), device=DEVICE), column=state["column"], longest=PROMPT,
+               pad_id=0)
+    seed = torch.tensor([1], device=DEVICE)
+
+    def step():
+        logits = decoder.decode(state["tokens"], out["positions"], state["cache"], state["column"], state["attn_bias"])
+        kernels.sample_and_record(logits, temperature=1.0, greedy=False, seed=seed, **out)
+        out["positions"].fill_(PROMPT + 128)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    capture_s = time.perf_counter() - t0
+    replay = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        replay.append(start.elapsed_time(end) / 1000)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    groups: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            groups.setdefault(event.name[:90], []).append(event.device_time_total)
+    kernels_per_step = sum(len(v) for v in groups.values()) / 10
+    by_name = sorted(((name, sum(v) / 10, len(v) / 10) for name, v in groups.items()), key=lambda r: -r[1])
+    spec = decoder.spec
+    weight_bytes = sum(t.numel() * t.element_size() for t in decoder.tensors())
+    kv_bytes = spec.n_layers * 2 * BATCH * spec.n_kv_heads * (PROMPT + 129) * spec.head_dim * 2
+    bound = (weight_bytes + kv_bytes) / bandwidth(device)
+    return {"replay_s": statistics.median(replay), "kernel_sum_s": sum(r[1] for r in by_name) / 1e6,
+            "kernels_per_step": kernels_per_step, "capture_cpu_s": round(capture_s, 4),
+            "bytes_bound_s": bound, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+            "kernels": [{"name": n, "us_per_step": round(t, 2), "count_per_step": c} for n, t, c in by_name[:30]]}
+
+
+def part_attention(decoder, device: str) -> dict:
+    """Per layer: the rotary/cache-write kernel followed by the attention kernel, against the fused
+    kernel that does both, for each launch configuration of the attention."""
+    import torch
+    import triton
+
+    from kfrl.engines import kernels
+
+    spec = decoder.spec
+    state = step_state(decoder)
+    cache, bias, column, positions = state["cache"], state["attn_bias"], state["column"], state["positions"]
+    cos_table, sin_table = decoder.rope_tables(1)
+    qkv = torch.randn((BATCH, spec.q_size + 2 * spec.kv_size), device=DEVICE, dtype=torch.bfloat16)
+    q = torch.randn((BATCH, spec.n_heads, spec.head_dim), device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    group = spec.n_heads // spec.n_kv_heads
+    length = int(column) + 1
+    kv_bytes = 2 * BATCH * spec.n_kv_heads * length * spec.head_dim * 2
+    block_g = max(16, triton.next_power_of_2(group))
+    results = []
+    for block_n in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (2, 3):
+                def separate():
+                    for layer in range(spec.n_layers):
+                        keys, values = cache[layer, 0], cache[layer, 1]
+                        kernels.rope_to_cache(qkv, positions, cos_table, sin_table, None, None, 1e-6, keys, values,
+                                              column, spec.n_heads, spec.n_kv_heads, spec.head_dim)
+                        kernels._decode_attention_kernel[(BATCH, spec.n_kv_heads)](
+                            q, keys, values, bias, out, bias.shape[1], column, bias.stride(0), keys.stride(0),
+                            keys.stride(1), keys.stride(2), spec.head_dim ** -0.5, GROUP=group, HD=spec.head_dim,
+                            BLOCK_G=block_g, BLOCK_D=max(16, triton.next_power_of_2(spec.head_dim)), BLOCK_N=block_n,
+                            LENGTH_FROM_COLUMN=True, num_warps=warps, num_stages=stages)
+
+                def fused():
+                    for layer in range(spec.n_layers):
+                        keys, values = cache[layer, 0], cache[layer, 1]
+                        kernels._rope_attention_kernel[(BATCH, spec.n_kv_heads)](
+                            qkv, positions, cos_table, sin_table, qkv, qkv, 1e-6, keys, values, bias, out, column,
+                            bias.shape[1], qkv.stride(0), bias.stride(0), keys.stride(0), keys.stride(1),
+                            keys.stride(2), spec.head_dim ** -0.5, N_HEADS=spec.n_heads, GROUP=group,
+                            HD=spec.head_dim, BLOCK_G=block_g,
+                            HALF_BLOCK=max(16, triton.next_power_of_2(spec.head_dim // 2)), BLOCK_N=block_n,
+                            HAS_NORM=False, num_warps=warps, num_stages=stages)
+                row = {"block_n": block_n, "warps": warps, "stages": stages}
+                current = (block_n, warps, stages) == (kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, 3)
+                for name, fn in (("separate_us", separate), ("fused_us", fused)):
+                    if name == "separate_us" and not current:  # the committed pair: measured once, as it runs
+                        continue
+                    try:
+                        row[name] = round(graph_time(fn, repeats=2) / spec.n_layers * 1e6, 2)
+                    except Exception as exc:  # a configuration that does not fit (shared memory) is skipped
+                        row[name + "_error"] = str(exc)[:120]
+                results.append(row)
+    best = {name: min((r for r in results if name in r), key=lambda r: r[name]) for name in ("separate_us", "fused_us")}
+    default = next(r for r in results if (r["block_n"], r["warps"], r["stages"]) ==
+                   (kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, 3))
+    return {"per_layer_bytes": kv_bytes, "bound_us": round(kv_bytes / bandwidth(device) * 1e6, 2),
+            "best": best, "default": default, "all": results}
+
+
+def sweep_gemm(name: str, n: int, k: int, device: str) -> dict:
+    """One projection of ``n`` output columns (for ``gate_up_silu``: both halves, n = 2 x intermediate):
+    cuBLAS (then ``silu_mul``) against the decode step's Triton kernel over a grid of tiles."""
+    import torch
+    import torch.nn.functional as F
+    import triton
+
+    from kfrl.engines import kernels
+
+    swiglu = name == "gate_up_silu"
+    width = n // 2 if swiglu else n
+    copies = max(2, (256 * 2**20) // (n * k * 2) + 1)
+    weights = [torch.randn((n, k), device=DEVICE, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+    x = torch.randn((BATCH, k), device=DEVICE, dtype=torch.bfloat16)
+    y = torch.empty((BATCH, width), device=DEVICE, dtype=torch.bfloat16)
+
+    def reference(w):
+        return kernels.silu_mul(F.linear(x, w)) if swiglu else F.linear(x, w)
+
+    def cublas():
+        for w in weights:
+            reference(w)
+
+    row = {"n": n, "k": k, "bound_us": round(n * k * 2 / bandwidth(device) * 1e6, 2),
+           "cublas_us": round(graph_time(cublas, repeats=1) / copies * 1e6, 2), "triton": []}
+    for bm in (64, 128):
+        for bn in (32, 64) if swiglu else (32, 64, 128):
+            for bk in (64, 128):
+                for stages in (3, 4):
+                    grid = (triton.cdiv(BATCH, bm), triton.cdiv(width, bn))
+                    tiles = dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=stages)
+
+                    def tri():
+                        for w in weights:
+                            if swiglu:
+                                kernels._gate_up_silu_kernel[grid](x, w, y, BATCH, width, k, x.stride(0), **tiles)
+                            else:
+                                kernels._linear_kernel[grid](x, w, x, y, BATCH, n, k, x.stride(0), HAS_BIAS=False,
+                                                             **tiles)
+                    config = {"bm": bm, "bn": bn, "bk": bk, "stages": stages}
+                    try:
+                        tri()
+                        torch.cuda.synchronize()
+                        err = float((y.float() - reference(weights[-1]).float()).abs().max())
+                        us = graph_time(tri, repeats=1) / copies * 1e6
+                    except Exception as exc:
+                        row["triton"].append({**config, "error": str(exc)[:100]})
+                        continue
+                    row["triton"].append({**config, "us": round(us, 2), "max_err": round(err, 4)})
+    ok = [r for r in row["triton"] if "us" in r]
+    row["triton_best"] = min(ok, key=lambda r: r["us"]) if ok else None
+    weights.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def part_gemm(decoder, device: str) -> dict:
+    spec = decoder.spec
+    shapes = {"qkv": (spec.q_size + 2 * spec.kv_size, spec.hidden_size), "o": (spec.hidden_size, spec.q_size),
+              "gate_up": (2 * spec.intermediate_size, spec.hidden_size),
+              "gate_up_silu": (2 * spec.intermediate_size, spec.hidden_size),
+              "down": (spec.hidden_size, spec.intermediate_size)}
+    return {name: sweep_gemm(name, n, k, device) for name, (n, k) in shapes.items()}
+
+
+def part_rollout(decoder) -> dict:
+    import torch
+
+    from kfrl.engines.rollout import SamplingParams
+    from kfrl.engines.rollout_torch import TorchRollout
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, decoder.spec.vocab_size, (BATCH // 4, PROMPT), generator=g).tolist()
+    engine = TorchRollout(decoder, eos_ids=set(), pad_id=0)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=NEW)
+    runs = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        generations = engine.generate_responses(prompts, params, seed=0)
+        sync()
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(x.response_ids) for x in generations)
+        runs.append({"seconds": round(seconds, 4), "tokens": tokens, "tokens_per_s": round(tokens / seconds),
+                     "stats": dict(engine.stats)})
+    return {"runs": runs, "tokens_per_s_median_of_2_3": round(statistics.median(r["tokens_per_s"] for r in runs[1:]))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="0.5b")
+    parser.add_argument("--parts", default="profile,attention,gemm,rollout")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+
+    import torch
+
+    global DEVICE
+    DEVICE = args.device
+    device = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
+    decoder = random_decoder(args.shape)
+    result = {"device": device, "shape": args.shape, "label": args.label, "torch": torch.__version__}
+    for part in args.parts.split(","):
+        t0 = time.perf_counter()
+        try:
+            run_part(part, result, decoder, device)
+        except Exception as exc:  # one part's failure must not lose the others' figures
+            result[part] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        result[f"{part}_wall_s"] = round(time.perf_counter() - t0, 1)
+        summary = {k: v for k, v in result[part].items() if k not in ("all", "kernels", "triton")} \
+            if part != "gemm" or "error" in result[part] else \
+            {n: {k: v for k, v in r.items() if k != "triton"} for n, r in result[part].items()}
+        print(f"SUMMARY {args.shape} {args.label} {part}: {json.dumps(summary)}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+def run_part(part: str, result: dict, decoder, device: str) -> None:
+    parts = {"profile": lambda: part_profile(decoder, device), "attention": lambda: part_attention(decoder, device),
+             "gemm": lambda: part_gemm(decoder, device), "rollout": lambda: part_rollout(decoder)}
+    result[part] = parts[part]()
+
+if __name__ == "__main__":
+    main()
