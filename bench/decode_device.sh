@@ -2,8 +2,7 @@
 # The decode-step measurements of issue 25 in one device call:
 #   bash bench/decode_device.sh <out-dir> [shapes...]
 # per shape: the rollout of the tree at .whl/old_head (the code before this change, when present), then
-# this tree's rollout, step profile, attention sweep and GEMM sweep, then the rollout and profile with the
-# decode step's Triton GEMMs (KFRL_DECODE_GEMM=triton). PARTS=rollout,profile leaves the sweeps out.
+# this tree's rollout, step profile and attention sweep. PARTS=rollout,profile leaves the sweep out.
 set -u
 out=$1; shift
 mkdir -p "$out"
@@ -17,8 +16,6 @@ for s in "${shapes[@]}"; do
     PYTHONPATH=$PWD/../.whl/old_head/src:$PWD timeout 90 python decode_step.py --shape "$s" --parts rollout \
       --label before --out "$out/before_$s.json" 2>&1 | grep -E "SUMMARY|Error" | cut -c1-400
   fi
-  timeout 220 python decode_step.py --shape "$s" --parts "${PARTS:-rollout,profile,attention,gemm}" --label after \
+  timeout 220 python decode_step.py --shape "$s" --parts "${PARTS:-rollout,profile,attention}" --label after \
     --out "$out/after_$s.json" 2>&1 | grep -E "SUMMARY|Error" | cut -c1-2500
-  KFRL_DECODE_GEMM=triton timeout 70 python decode_step.py --shape "$s" --parts rollout,profile --label triton_gemm \
-    --out "$out/tgemm_$s.json" 2>&1 | grep -E "SUMMARY|Error" | cut -c1-1500
 done

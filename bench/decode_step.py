@@ -1,17 +1,15 @@
 """Where a decode step of the ``torch`` rollout backend spends its time, on one GPU (random-init weights
 of a Qwen2.5 shape, bf16, built straight on the device: no checkpoint).
 
-    python bench/decode_step.py --shape 0.5b [--parts profile,attention,gemm,rollout] --out step.json
+    python bench/decode_step.py --shape 0.5b [--parts profile,attention,rollout] --out step.json
 
 - ``profile``: one decode step of 256 sequences at column 261 (133 prompt + 128 response tokens, the
   middle of the 256 x 256 workload) captured as a CUDA graph: the wall time of a replay (CUDA events)
   against the sum of its kernels' times (torch.profiler), kernels grouped by name; the CPU time of one
   capture (warm-up step + capture + instantiate).
-- ``attention``: the decode attention kernel alone over every layer's cache, per launch configuration
-  (columns per block, warps, pipeline stages), against its bytes at the card's bandwidth.
-- ``gemm``: each projection of a block (x @ W^T, 256 rows) through cuBLAS (``F.linear``) and through a
-  plain Triton GEMM over a grid of tile sizes; weights rotated through copies larger than L2, as the
-  layers of a real step are.
+- ``attention``: the fused rotary + cache write + attention kernel alone over every layer's cache, per
+  launch configuration (columns per block, warps, pipeline stages), against its bytes at the card's
+  bandwidth.
 - ``rollout``: ``TorchRollout.generate_responses`` on 64 prompts x 4 samples, 133 + 256 tokens, no
   EOS (every sequence runs 256 tokens): tokens per second of the second call, the first call's seconds,
   and the engine's stats. Run it once per source tree (e.g. PYTHONPATH of an older checkout) to
@@ -187,8 +185,7 @@ def part_profile(decoder, device: str) -> dict:
 
 
 def part_attention(decoder, device: str) -> dict:
-    """Per layer: the rotary/cache-write kernel followed by the attention kernel, against the fused
-    kernel that does both, for each launch configuration of the attention."""
+    """``rope_attention``'s kernel over every layer, for each launch configuration."""
     import torch
     import triton
 
@@ -199,8 +196,7 @@ def part_attention(decoder, device: str) -> dict:
     cache, bias, column, positions = state["cache"], state["attn_bias"], state["column"], state["positions"]
     cos_table, sin_table = decoder.rope_tables(1)
     qkv = torch.randn((BATCH, spec.q_size + 2 * spec.kv_size), device=DEVICE, dtype=torch.bfloat16)
-    q = torch.randn((BATCH, spec.n_heads, spec.head_dim), device=DEVICE, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
+    out = torch.empty((BATCH, spec.n_heads, spec.head_dim), device=DEVICE, dtype=torch.bfloat16)
     group = spec.n_heads // spec.n_kv_heads
     length = int(column) + 1
     kv_bytes = 2 * BATCH * spec.n_kv_heads * length * spec.head_dim * 2
@@ -209,17 +205,6 @@ def part_attention(decoder, device: str) -> dict:
     for block_n in (32, 64, 128):
         for warps in (2, 4, 8):
             for stages in (2, 3):
-                def separate():
-                    for layer in range(spec.n_layers):
-                        keys, values = cache[layer, 0], cache[layer, 1]
-                        kernels.rope_to_cache(qkv, positions, cos_table, sin_table, None, None, 1e-6, keys, values,
-                                              column, spec.n_heads, spec.n_kv_heads, spec.head_dim)
-                        kernels._decode_attention_kernel[(BATCH, spec.n_kv_heads)](
-                            q, keys, values, bias, out, bias.shape[1], column, bias.stride(0), keys.stride(0),
-                            keys.stride(1), keys.stride(2), spec.head_dim ** -0.5, GROUP=group, HD=spec.head_dim,
-                            BLOCK_G=block_g, BLOCK_D=max(16, triton.next_power_of_2(spec.head_dim)), BLOCK_N=block_n,
-                            LENGTH_FROM_COLUMN=True, num_warps=warps, num_stages=stages)
-
                 def fused():
                     for layer in range(spec.n_layers):
                         keys, values = cache[layer, 0], cache[layer, 1]
@@ -231,85 +216,16 @@ def part_attention(decoder, device: str) -> dict:
                             HALF_BLOCK=max(16, triton.next_power_of_2(spec.head_dim // 2)), BLOCK_N=block_n,
                             HAS_NORM=False, num_warps=warps, num_stages=stages)
                 row = {"block_n": block_n, "warps": warps, "stages": stages}
-                current = (block_n, warps, stages) == (kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, 3)
-                for name, fn in (("separate_us", separate), ("fused_us", fused)):
-                    if name == "separate_us" and not current:  # the committed pair: measured once, as it runs
-                        continue
-                    try:
-                        row[name] = round(graph_time(fn, repeats=2) / spec.n_layers * 1e6, 2)
-                    except Exception as exc:  # a configuration that does not fit (shared memory) is skipped
-                        row[name + "_error"] = str(exc)[:120]
+                try:
+                    row["fused_us"] = round(graph_time(fused, repeats=2) / spec.n_layers * 1e6, 2)
+                except Exception as exc:  # a configuration that does not fit (shared memory) is skipped
+                    row["fused_us_error"] = str(exc)[:120]
                 results.append(row)
-    best = {name: min((r for r in results if name in r), key=lambda r: r[name]) for name in ("separate_us", "fused_us")}
     default = next(r for r in results if (r["block_n"], r["warps"], r["stages"]) ==
-                   (kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, 3))
+                   (kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, kernels.ATTENTION_STAGES))
     return {"per_layer_bytes": kv_bytes, "bound_us": round(kv_bytes / bandwidth(device) * 1e6, 2),
-            "best": best, "default": default, "all": results}
-
-
-def sweep_gemm(name: str, n: int, k: int, device: str) -> dict:
-    """One projection of ``n`` output columns (for ``gate_up_silu``: both halves, n = 2 x intermediate):
-    cuBLAS (then ``silu_mul``) against the decode step's Triton kernel over a grid of tiles."""
-    import torch
-    import torch.nn.functional as F
-    import triton
-
-    from kfrl.engines import kernels
-
-    swiglu = name == "gate_up_silu"
-    width = n // 2 if swiglu else n
-    copies = max(2, (256 * 2**20) // (n * k * 2) + 1)
-    weights = [torch.randn((n, k), device=DEVICE, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
-    x = torch.randn((BATCH, k), device=DEVICE, dtype=torch.bfloat16)
-    y = torch.empty((BATCH, width), device=DEVICE, dtype=torch.bfloat16)
-
-    def reference(w):
-        return kernels.silu_mul(F.linear(x, w)) if swiglu else F.linear(x, w)
-
-    def cublas():
-        for w in weights:
-            reference(w)
-
-    row = {"n": n, "k": k, "bound_us": round(n * k * 2 / bandwidth(device) * 1e6, 2),
-           "cublas_us": round(graph_time(cublas, repeats=1) / copies * 1e6, 2), "triton": []}
-    for bm in (64, 128):
-        for bn in (32, 64) if swiglu else (32, 64, 128):
-            for bk in (64, 128):
-                for stages in (3, 4):
-                    grid = (triton.cdiv(BATCH, bm), triton.cdiv(width, bn))
-                    tiles = dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=stages)
-
-                    def tri():
-                        for w in weights:
-                            if swiglu:
-                                kernels._gate_up_silu_kernel[grid](x, w, y, BATCH, width, k, x.stride(0), **tiles)
-                            else:
-                                kernels._linear_kernel[grid](x, w, x, y, BATCH, n, k, x.stride(0), HAS_BIAS=False,
-                                                             **tiles)
-                    config = {"bm": bm, "bn": bn, "bk": bk, "stages": stages}
-                    try:
-                        tri()
-                        torch.cuda.synchronize()
-                        err = float((y.float() - reference(weights[-1]).float()).abs().max())
-                        us = graph_time(tri, repeats=1) / copies * 1e6
-                    except Exception as exc:
-                        row["triton"].append({**config, "error": str(exc)[:100]})
-                        continue
-                    row["triton"].append({**config, "us": round(us, 2), "max_err": round(err, 4)})
-    ok = [r for r in row["triton"] if "us" in r]
-    row["triton_best"] = min(ok, key=lambda r: r["us"]) if ok else None
-    weights.clear()
-    torch.cuda.empty_cache()
-    return row
-
-
-def part_gemm(decoder, device: str) -> dict:
-    spec = decoder.spec
-    shapes = {"qkv": (spec.q_size + 2 * spec.kv_size, spec.hidden_size), "o": (spec.hidden_size, spec.q_size),
-              "gate_up": (2 * spec.intermediate_size, spec.hidden_size),
-              "gate_up_silu": (2 * spec.intermediate_size, spec.hidden_size),
-              "down": (spec.hidden_size, spec.intermediate_size)}
-    return {name: sweep_gemm(name, n, k, device) for name, (n, k) in shapes.items()}
+            "best": min((r for r in results if "fused_us" in r), key=lambda r: r["fused_us"]), "default": default,
+            "all": results}
 
 
 def part_rollout(decoder) -> dict:
@@ -338,7 +254,7 @@ def part_rollout(decoder) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="0.5b")
-    parser.add_argument("--parts", default="profile,attention,gemm,rollout")
+    parser.add_argument("--parts", default="profile,attention,rollout")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default="cuda")
@@ -358,9 +274,7 @@ def main() -> None:
         except Exception as exc:  # one part's failure must not lose the others' figures
             result[part] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         result[f"{part}_wall_s"] = round(time.perf_counter() - t0, 1)
-        summary = {k: v for k, v in result[part].items() if k not in ("all", "kernels", "triton")} \
-            if part != "gemm" or "error" in result[part] else \
-            {n: {k: v for k, v in r.items() if k != "triton"} for n, r in result[part].items()}
+        summary = {k: v for k, v in result[part].items() if k not in ("all", "kernels")}
         print(f"SUMMARY {args.shape} {args.label} {part}: {json.dumps(summary)}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
@@ -368,7 +282,7 @@ def main() -> None:
 
 def run_part(part: str, result: dict, decoder, device: str) -> None:
     parts = {"profile": lambda: part_profile(decoder, device), "attention": lambda: part_attention(decoder, device),
-             "gemm": lambda: part_gemm(decoder, device), "rollout": lambda: part_rollout(decoder)}
+             "rollout": lambda: part_rollout(decoder)}
     result[part] = parts[part]()
 
 if __name__ == "__main__":

@@ -4,8 +4,6 @@
 # part 05: 0.5B shape (kfrl full / LoRA / bf16+AdamW8bit / offload, TRL full / LoRA) and the GPU tests;
 # part lean / lean15: 0.5B / 1.5B, kfrl's leanest full fine-tune against TRL's bf16 run;
 # part mem05 / mem15: 0.5B / 1.5B at TRL's precision, with and without actor.use_liger, against TRL's bf16 run;
-# part kern05 / kern15: 0.5B / 1.5B at TRL's precision with liger, the decode step's GEMMs from cuBLAS and from
-# Triton (KFRL_DECODE_GEMM=triton), against TRL's bf16 run;
 # part 15: 1.5B shape (kfrl full / bf16+AdamW8bit+checkpointing / offload, TRL full) and the GPU tests;
 # part 7b: 7B shape, LoRA only (kfrl with and without actor.use_liger, TRL + PEFT); part lean7b: the same with
 # gradient checkpointing on both sides.
@@ -17,7 +15,7 @@ export PYTHONPATH=$PWD/src:$PWD/bench
 python -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v -i warning | tail -2
 cd bench
 model=/tmp/kfrl-bench-model-$part
-case $part in 05|lean|mem05|kern05) shape=0.5b ;; 15|lean15|mem15|kern15) shape=1.5b ;; *) shape=7b ;; esac
+case $part in 05|lean|mem05) shape=0.5b ;; 15|lean15|mem15) shape=1.5b ;; *) shape=7b ;; esac
 python -c "import sys; from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model'), '$shape')"
 lora="model.lora_rank=64 model.lora_alpha=128 actor.lr=1e-5"
 kfrl() { name=$1; shift; timeout "${KFRL_LIMIT:-240}" python gpu_iteration.py --workload trl --prompt-tokens 133 --shape "$shape" \
@@ -48,11 +46,6 @@ case $part in
   mem05|mem15)  # TRL's precision, with and without liger-kernel's fused kernels (actor.use_liger), against TRL's bf16 run
     kfrl bf16 --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true
     kfrl bf16_liger --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true actor.use_liger=true
-    trl full --steps 5 ;;
-  kern05|kern15)
-    kfrl bf16_liger --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true actor.use_liger=true
-    KFRL_DECODE_GEMM=triton kfrl bf16_liger_tgemm --iterations 5 actor.master_dtype=bfloat16 \
-      actor.gradient_checkpointing=true actor.use_liger=true
     trl full --steps 5 ;;
   7b)
     # micro-batches of 8 rows on both sides; TRL checkpoints gradients (its default), kfrl does not (with it,

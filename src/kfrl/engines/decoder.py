@@ -125,10 +125,9 @@ class Block:
     down_lora: LowRank | None = None
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None,
-            linear=F.linear) -> torch.Tensor:
-    """``linear(x, weight, bias)``, plus the low-rank update when there is one (added in place)."""
-    y = linear(x, weight, bias)
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, plus the low-rank update when there is one (added in place)."""
+    y = F.linear(x, weight, bias)
     if low_rank is not None:
         inner = F.linear(x, low_rank.down)
         y.view(-1, y.shape[-1]).addmm_(inner.view(-1, inner.shape[-1]), low_rank.up.t())
@@ -420,16 +419,13 @@ class Decoder:
         delta = None
         for layer, block in enumerate(self.blocks):
             x, h = kernels.add_rms_norm(x, delta, block.input_norm, eps)
-            qkv = project(h, block.qkv_weight, block.qkv_bias, block.qkv_lora, kernels.linear)
+            qkv = project(h, block.qkv_weight, block.qkv_bias, block.qkv_lora)
             attn = kernels.rope_attention(qkv, positions, cos_table, sin_table, block.q_norm, block.k_norm, eps,
                                           cache[layer, 0, :b], cache[layer, 1, :b], column, attn_bias,
                                           s.n_heads, s.n_kv_heads, s.head_dim)
-            delta = project(attn, block.o_weight, block.o_bias, block.o_lora, kernels.linear)
+            delta = project(attn, block.o_weight, block.o_bias, block.o_lora)
             x, h = kernels.add_rms_norm(x, delta, block.post_norm, eps)
-            if block.gate_up_lora is None:
-                act = kernels.gate_up_silu(h, block.gate_up_weight)
-            else:
-                act = kernels.silu_mul(project(h, block.gate_up_weight, None, block.gate_up_lora))
-            delta = project(act, block.down_weight, None, block.down_lora, kernels.linear)
+            act = kernels.silu_mul(project(h, block.gate_up_weight, None, block.gate_up_lora))
+            delta = project(act, block.down_weight, None, block.down_lora)
         _, h = kernels.add_rms_norm(x, delta, self.norm, eps)
         return F.linear(h, self.lm_head)

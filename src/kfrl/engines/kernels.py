@@ -5,9 +5,10 @@ PyTorch ops a Qwen2.5-0.5B step launches ~1,100 kernels (an RMSNorm alone is eig
 more than reading the weights. These kernels bring a transformer block to about ten launches:
 
 - ``add_rms_norm``: residual add + RMSNorm (one read of x and delta, one write each of x and h);
-- ``rope_to_cache``: q/k RMSNorm (Qwen3), rotary embedding of q and k, and the K/V cache write;
-- ``decode_attention``: one query token per sequence against the cache, the query heads of a KV
-  head together (grouped-query attention without repeating K/V), online softmax over column blocks;
+- ``rope_attention``: q/k RMSNorm (Qwen3), rotary embedding of q and k, the K/V cache write, then one
+  query token per sequence against the cache: the query heads of a KV head together (grouped-query
+  attention without repeating K/V), online softmax over column blocks, the step's own column from
+  registers; the attended length is read on the device, so one captured step serves every length;
 - ``silu_mul``: the SwiGLU activation on the fused gate/up projection;
 - ``sample_and_record``: temperature sampling (inverse CDF: one Philox uniform per row) or greedy
   choice, the chosen token's log-prob under log_softmax(logits / T) by an online log-sum-exp, and
@@ -129,9 +130,11 @@ def record_ref(new_tokens, new_logprobs, finished, sequence, tokens, positions, 
 
 # --- dispatch -----------------------------------------------------------------------------------------
 
-# decode_attention's launch: columns per block of its online softmax, warps per program.
+# rope_attention's launch: columns per block of its online softmax, warps and pipeline stages per program
+# (the best of a sweep on an H100 at the Qwen2.5-0.5B and -1.5B shapes: bench/decode_step.py --parts attention).
 ATTENTION_BLOCK_N = 64
 ATTENTION_WARPS = 4
+ATTENTION_STAGES = 2
 
 def add_rms_norm(x, delta, weight, eps):
     """(x + delta, rms_norm(x + delta) * weight) for x (b, hidden); delta None = no residual add.
@@ -143,39 +146,6 @@ def add_rms_norm(x, delta, weight, eps):
     _rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, hidden, eps,
                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(hidden))
     return x, out
-
-
-def rope_to_cache(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
-                  n_heads: int, n_kv_heads: int, head_dim: int):
-    if not triton_enabled(qkv):
-        return rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
-                                 n_heads, n_kv_heads, head_dim)
-    rows = qkv.shape[0]
-    q = torch.empty((rows, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    has_norm = q_norm is not None
-    _rope_cache_kernel[(rows, n_heads + 2 * n_kv_heads)](
-        qkv, positions, cos_table, sin_table, q_norm if has_norm else qkv, k_norm if has_norm else qkv, eps,
-        q, keys, values, column, qkv.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
-        N_HEADS=n_heads, N_KV=n_kv_heads, HD=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
-        HAS_NORM=has_norm)
-    return q
-
-
-def decode_attention(q, keys, values, attn_bias, column=None):
-    """``decode_attention_ref`` in one kernel. With ``column`` the kernel reads the attended length
-    (column + 1) on the device, so one captured step serves every length of a rollout."""
-    if not triton_enabled(q):
-        return decode_attention_ref(q, keys, values, attn_bias, column)
-    b, heads, head_dim = q.shape
-    kv_heads, length = keys.shape[1], attn_bias.shape[1]
-    group = heads // kv_heads
-    out = torch.empty((b, heads, head_dim), dtype=q.dtype, device=q.device)
-    _decode_attention_kernel[(b, kv_heads)](
-        q, keys, values, attn_bias, out, length, column if column is not None else attn_bias, attn_bias.stride(0),
-        keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, GROUP=group, HD=head_dim,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=ATTENTION_BLOCK_N, LENGTH_FROM_COLUMN=column is not None, num_warps=ATTENTION_WARPS)
-    return out.flatten(1)
 
 
 def rope_attention(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column, attn_bias,
@@ -196,7 +166,7 @@ def rope_attention(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, ke
         keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, N_HEADS=n_heads, GROUP=group,
         HD=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HALF_BLOCK=max(16, triton.next_power_of_2(head_dim // 2)), BLOCK_N=ATTENTION_BLOCK_N, HAS_NORM=has_norm,
-        num_warps=ATTENTION_WARPS)
+        num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES)
     return out.flatten(1)
 
 
@@ -211,51 +181,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_gemm_enabled(x: torch.Tensor) -> bool:
-    """Whether the decode step's projections run on the Triton GEMMs below instead of cuBLAS
-    (``KFRL_DECODE_GEMM=triton``: a benchmark switch while they are measured)."""
-    return triton_enabled(x) and os.environ.get("KFRL_DECODE_GEMM") == "triton"
-
-
-def _gemm_tiles(rows: int, cols: int, device: torch.device) -> tuple[int, int]:
-    """Row and column tile sizes: the widest column tile that still gives every SM a program or more."""
-    block_m = 64
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    for block_n in (128, 64):
-        if triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n) >= sms:
-            return block_m, block_n
-    return block_m, 32
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a decode step's (rows, in) activations: x @ weight.T (+ bias)."""
-    if not decode_gemm_enabled(x):
-        return torch.nn.functional.linear(x, weight, bias)
-    rows, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_m, block_n = _gemm_tiles(rows, n, x.device)
-    _linear_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
-        x, weight, bias if bias is not None else x, out, rows, n, k, x.stride(0), HAS_BIAS=bias is not None,
-        BM=block_m, BN=block_n, BK=128, num_warps=4, num_stages=4)
-    return out
-
-
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``silu_mul(linear(x, weight))`` for weight = [gate; up] (2 inner, in), in one kernel: the
-    (rows, 2 inner) product is never written."""
-    if not decode_gemm_enabled(x):
-        return silu_mul(torch.nn.functional.linear(x, weight))
-    rows, k = x.shape
-    inner = weight.shape[0] // 2
-    out = torch.empty((rows, inner), dtype=x.dtype, device=x.device)
-    block_m, block_n = _gemm_tiles(rows, inner, x.device)
-    _gate_up_silu_kernel[(triton.cdiv(rows, block_m), triton.cdiv(inner, min(block_n, 64)))](
-        x, weight, out, rows, inner, k, x.stride(0), BM=block_m, BN=min(block_n, 64), BK=128, num_warps=4,
-        num_stages=3)
-    return out
-
-
 def sample_and_record(logits, *, temperature: float, greedy: bool, seed: torch.Tensor, finished, sequence,
                       tokens, positions, eos_table, out_tokens, out_logprobs, column, longest: int,
                       pad_id: int) -> None:
@@ -267,8 +192,11 @@ def sample_and_record(logits, *, temperature: float, greedy: bool, seed: torch.T
     row would leave most of the GPU idle on a 152k vocabulary); each slice reports its max, its sum
     of exponentials and its best candidate, and a second kernel combines them per row."""
     rows, vocab = logits.shape
-    splits = max(1, min(64, triton.cdiv(2048, rows), triton.cdiv(vocab, 4096)))
     block = 4096
+    # Slices of one block each (up to 64 of them): the second kernel scans its row's chosen slice
+    # serially, so a short slice keeps it short (8 slices of 5 blocks at 256 rows took 51 us a step on
+    # an H100, as long as the first kernel's read of the logits).
+    splits = max(1, min(64, triton.cdiv(vocab, block)))
     slice_size = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     partial = torch.empty((2, rows, splits), dtype=torch.float32, device=logits.device)
     partial_index = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
@@ -303,56 +231,6 @@ if triton is not None:
                  mask=mask)
 
     @triton.jit
-    def _head_norm(x1, x2, w_ptr, offs, mask, eps, HD: tl.constexpr):
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        variance = (tl.sum(x1f * x1f, axis=0) + tl.sum(x2f * x2f, axis=0)) / HD
-        scale = tl.rsqrt(variance + eps)
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HD // 2 + offs, mask=mask, other=0.0).to(tl.float32)
-        y1 = (w1 * (x1f * scale).to(x1.dtype).to(tl.float32)).to(x1.dtype)
-        y2 = (w2 * (x2f * scale).to(x2.dtype).to(tl.float32)).to(x2.dtype)
-        return y1, y2
-
-    @triton.jit
-    def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, q_ptr, k_ptr, v_ptr,
-                           col_ptr, qkv_stride, cache_row_stride, cache_head_stride, cache_col_stride,
-                           N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr,
-                           HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        half: tl.constexpr = HD // 2
-        offs = tl.arange(0, HALF_BLOCK)
-        mask = offs < half
-        src = qkv_ptr + row * qkv_stride + head * HD
-        x1 = tl.load(src + offs, mask=mask, other=0.0)
-        x2 = tl.load(src + half + offs, mask=mask, other=0.0)
-        column = tl.load(col_ptr)
-        if head < N_HEADS + N_KV:
-            if HAS_NORM:
-                if head < N_HEADS:
-                    x1, x2 = _head_norm(x1, x2, qn_ptr, offs, mask, eps, HD)
-                else:
-                    x1, x2 = _head_norm(x1, x2, kn_ptr, offs, mask, eps, HD)
-            pos = tl.load(pos_ptr + row)
-            cos = tl.load(cos_ptr + pos * HD + offs, mask=mask, other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + pos * HD + offs, mask=mask, other=0.0).to(tl.float32)
-            x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-            y1 = (x1f * cos - x2f * sin).to(x1.dtype)
-            y2 = (x2f * cos + x1f * sin).to(x1.dtype)
-            if head < N_HEADS:
-                dst = q_ptr + (row * N_HEADS + head) * HD
-            else:
-                dst = (k_ptr + row * cache_row_stride + (head - N_HEADS) * cache_head_stride
-                       + column * cache_col_stride)
-            tl.store(dst + offs, y1, mask=mask)
-            tl.store(dst + half + offs, y2, mask=mask)
-        else:
-            dst = (v_ptr + row * cache_row_stride + (head - N_HEADS - N_KV) * cache_head_stride
-                   + column * cache_col_stride)
-            tl.store(dst + offs, x1, mask=mask)
-            tl.store(dst + half + offs, x2, mask=mask)
-
-    @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inner, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -363,55 +241,10 @@ if triton is not None:
         act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)
         tl.store(out_ptr + row * inner + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
-    # Integer arguments are specialised by value class (== 1, divisible by 16), so one that changes
-    # between calls can trigger a compile mid-rollout. The lengths may, the cache strides must not:
-    # their divisibility is what lets Triton vectorise the K/V loads (unspecialised: 2.5x slower).
-    @triton.jit(do_not_specialize=["length", "bias_stride"])
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, length, col_ptr, bias_stride, row_stride,
-                                 head_stride, col_stride, scale, GROUP: tl.constexpr, HD: tl.constexpr,
-                                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 LENGTH_FROM_COLUMN: tl.constexpr):
-        """One program per (sequence, KV head): its GROUP query heads against the cached columns,
-        with an online softmax over blocks of BLOCK_N columns (flash-decoding without the split).
-        LENGTH_FROM_COLUMN: attend columns 0..col_ptr[0] (at most ``length``) instead of ``length``."""
-        row = tl.program_id(0).to(tl.int64)
-        if LENGTH_FROM_COLUMN:
-            length = tl.minimum(tl.load(col_ptr).to(tl.int32) + 1, length)
-        kv_head = tl.program_id(1)
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
-        n = tl.arange(0, BLOCK_N)
-        g_mask, d_mask = g < GROUP, d < HD
-        q_rows = q_ptr + (row * GROUP * tl.num_programs(1) + kv_head * GROUP + g[:, None]) * HD + d[None, :]
-        q = tl.load(q_rows, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        kv_base = row * row_stride + kv_head * head_stride
-        best = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-        total = tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-        for start in range(0, length, BLOCK_N):
-            cols = start + n
-            c_mask = cols < length
-            offsets = kv_base + cols[:, None] * col_stride + d[None, :]
-            kv_mask = c_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
-            bias = tl.load(bias_ptr + row * bias_stride + cols, mask=c_mask, other=float("-inf")).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale + bias[None, :]
-            new_best = tl.maximum(best, tl.max(scores, axis=1))
-            # Rows that have seen only masked columns keep -inf; exp(-inf - -inf) would be NaN.
-            safe = tl.where(new_best == float("-inf"), 0.0, new_best)
-            weights = tl.exp(scores - safe[:, None])
-            rescale = tl.exp(best - safe)
-            total = total * rescale + tl.sum(weights, axis=1)
-            v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
-            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v).to(tl.float32)
-            best = new_best
-        out = acc / total[:, None]
-        out_rows = out_ptr + (row * GROUP * tl.num_programs(1) + kv_head * GROUP + g[:, None]) * HD + d[None, :]
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-
     @triton.jit
     def _head_norm_rows(x1, x2, w_ptr, offs, mask, eps, HD: tl.constexpr):
-        """``_head_norm`` for a block of heads, one per row: (rows, HD/2) halves."""
+        """RMSNorm over head_dim (Qwen3's q/k norms) for a block of heads, one per row, each held as its
+        two rotary halves (rows, HD/2); rounded as the HF module rounds (normalise in fp32, cast, scale)."""
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         variance = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / HD
         scale = tl.rsqrt(variance + eps)[:, None]
@@ -501,59 +334,6 @@ if triton is not None:
         out_at = out_ptr + (row * N_HEADS + kv_head * GROUP + g[:, None]) * HD + h[None, :]
         tl.store(out_at, (acc1 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
         tl.store(out_at + half, (acc2 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
-
-    @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr):
-        """y = x @ w.T (+ b): programs along M vary fastest, so those reading one weight tile run together
-        and the weights are read from memory about once."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        xp = x_ptr + rm[:, None].to(tl.int64) * x_stride + rk[None, :]
-        wp = w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None]
-        acc = tl.zeros((BM, BN), tl.float32)
-        for k in range(0, K, BK):
-            a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] < K - k), other=0.0)
-            b = tl.load(wp, mask=(rn[None, :] < N) & (rk[:, None] < K - k), other=0.0)
-            acc = tl.dot(a, b, acc)
-            xp += BK
-            wp += BK
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    @triton.jit
-    def _gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, INNER, K, x_stride, BM: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr):
-        """y = silu(x @ gate.T) * (x @ up.T), w = [gate; up]: each program computes the same columns of
-        both halves; the products are rounded to the model dtype before the activation, as the unfused
-        projection + ``silu_mul`` pair does."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        xp = x_ptr + rm[:, None].to(tl.int64) * x_stride + rk[None, :]
-        gp = w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None]
-        up = gp + INNER.to(tl.int64) * K
-        acc_g = tl.zeros((BM, BN), tl.float32)
-        acc_u = tl.zeros((BM, BN), tl.float32)
-        for k in range(0, K, BK):
-            a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] < K - k), other=0.0)
-            w_mask = (rn[None, :] < INNER) & (rk[:, None] < K - k)
-            acc_g = tl.dot(a, tl.load(gp, mask=w_mask, other=0.0), acc_g)
-            acc_u = tl.dot(a, tl.load(up, mask=w_mask, other=0.0), acc_u)
-            xp += BK
-            gp += BK
-            up += BK
-        dtype = y_ptr.dtype.element_ty
-        gate = acc_g.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = (act * acc_u.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(y_ptr + rm[:, None].to(tl.int64) * INNER + rn[None, :], y,
-                 mask=(rm[:, None] < M) & (rn[None, :] < INNER))
 
     @triton.jit(do_not_specialize=["slice_size", "splits"])
     def _sample_partial_kernel(logits_ptr, vocab, slice_size, inv_temp, partial_ptr, index_ptr, splits,
