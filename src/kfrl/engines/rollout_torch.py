@@ -14,8 +14,9 @@ One call generates n samples for each of P prompts (B = P * n sequences):
 3. **Decode**: one step (embedding → blocks → logits → sampling → bookkeeping) per token, captured
    as a CUDA graph per batch bucket on first use and replayed after. The attention kernel reads the
    step's column on the device and attends exactly the columns written so far, so one graph serves
-   every step and no step reads the empty end of the cache. Sampling (temperature, top-k, top-p, greedy) and the sampled token's log-prob run inside the
-   graph; per-step logits are never kept. Tokens and log-probs go straight into (B, R) outputs.
+   every step and no step reads the empty end of the cache. Sampling (temperature, top-k, top-p,
+   greedy) and the sampled token's log-prob run inside the graph; per-step logits are never kept.
+   Tokens and log-probs go straight into (B, R) outputs.
 4. **Finished sequences stop costing work**: every few steps the host reads how many sequences are
    still running; when they fit a smaller batch bucket, the running rows are compacted to the front
    of every buffer (cache included) and the smaller bucket's graph takes over. When none is running
