@@ -192,11 +192,8 @@ def sample_and_record(logits, *, temperature: float, greedy: bool, seed: torch.T
     row would leave most of the GPU idle on a 152k vocabulary); each slice reports its max, its sum
     of exponentials and its best candidate, and a second kernel combines them per row."""
     rows, vocab = logits.shape
+    splits = max(1, min(64, triton.cdiv(2048, rows), triton.cdiv(vocab, 4096)))
     block = 4096
-    # Slices of one block each (up to 64 of them): the second kernel scans its row's chosen slice
-    # serially, so a short slice keeps it short (8 slices of 5 blocks at 256 rows took 51 us a step on
-    # an H100, as long as the first kernel's read of the logits).
-    splits = max(1, min(64, triton.cdiv(vocab, block)))
     slice_size = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     partial = torch.empty((2, rows, splits), dtype=torch.float32, device=logits.device)
     partial_index = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
