@@ -3,6 +3,9 @@
 #   bash bench/decode_device.sh <out-dir> [shapes...]
 # per shape: the rollout of the tree at .whl/old_head (the code before this change, when present), then
 # this tree's rollout, step profile and attention sweep. PARTS=rollout,profile leaves the sweep out.
+# EXTRA="label=path ..." runs more source trees' rollout and profile (EXTRA_PARTS) in the same call, e.g. a
+# branch exported with `mkdir -p .whl/NAME && git archive BRANCH src | tar -x -C .whl/NAME` and
+# EXTRA="NAME=.whl/NAME/src" (carry .whl/NAME).
 set -u
 out=$1; shift
 mkdir -p "$out"
@@ -18,4 +21,10 @@ for s in "${shapes[@]}"; do
   fi
   timeout 220 python decode_step.py --shape "$s" --parts "${PARTS:-rollout,profile,attention}" --label after \
     --out "$out/after_$s.json" 2>&1 | grep -E "SUMMARY|Error" | cut -c1-2500
+  for tree in ${EXTRA:-}; do
+    label=${tree%%=*}
+    PYTHONPATH=$PWD/../${tree#*=}:$PWD timeout 120 python decode_step.py --shape "$s" \
+      --parts "${EXTRA_PARTS:-rollout,profile}" --label "$label" --out "$out/${label}_$s.json" 2>&1 \
+      | grep -E "SUMMARY|Error" | cut -c1-1500
+  done
 done
