@@ -256,6 +256,10 @@ if triton is not None:
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
 
+    # Integer arguments are specialised by value class (== 1, divisible by 16), so one that changes
+    # between calls can trigger a compile mid-rollout. The cache width and bias stride may, the cache
+    # strides must not: their divisibility is what lets Triton vectorise the K/V loads (unspecialised,
+    # the earlier attention kernel was 2.5x slower).
     @triton.jit(do_not_specialize=["columns", "bias_stride"])
     def _rope_attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, k_ptr, v_ptr, bias_ptr,
                                out_ptr, col_ptr, columns, qkv_stride, bias_stride, row_stride, head_stride, col_stride,
