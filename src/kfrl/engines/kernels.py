@@ -83,15 +83,15 @@ def rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps,
 
 
 def decode_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         attn_bias: torch.Tensor, column: torch.Tensor | None = None) -> torch.Tensor:
-    """q (b, heads, hd) against keys/values (b, kv_heads, >=L, hd) over the first L = attn_bias.shape[1]
-    columns, attn_bias (b, L) additive; with ``column`` (1,), only the columns up to and including it
-    (the decode step's own). Returns (b, heads * hd)."""
+                         attn_bias: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """q (b, heads, hd) against keys/values (b, kv_heads, >=L, hd) over the columns up to and including
+    ``column`` (1,) (the decode step's own) of the first L = attn_bias.shape[1], attn_bias (b, L)
+    additive. Returns (b, heads * hd)."""
     b, heads, head_dim = q.shape
     kv_heads, length = keys.shape[1], attn_bias.shape[1]
-    if column is not None:  # masked rather than sliced: the column lives on the device (no host read)
-        later = torch.arange(length, device=attn_bias.device) > column
-        attn_bias = attn_bias.masked_fill(later, float("-inf"))
+    # Masked rather than sliced: the column lives on the device (no host read).
+    later = torch.arange(length, device=attn_bias.device) > column
+    attn_bias = attn_bias.masked_fill(later, float("-inf"))
     # The query heads that share a KV head are laid out as that head's "query rows", so plain
     # attention serves grouped-query attention without repeating K/V.
     grouped = q.unflatten(1, (kv_heads, heads // kv_heads))
