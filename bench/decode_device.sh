@@ -5,7 +5,8 @@
 # this tree's rollout, step profile and attention sweep. PARTS=rollout,profile leaves the sweep out.
 # EXTRA="label=path ..." runs more source trees' rollout and profile (EXTRA_PARTS) in the same call, e.g. a
 # branch exported with `mkdir -p .whl/NAME && git archive BRANCH src | tar -x -C .whl/NAME` and
-# EXTRA="NAME=.whl/NAME/src" (carry .whl/NAME).
+# EXTRA="NAME=.whl/NAME/src" (carry .whl/NAME). VARIANTS="label=NAME=VALUE[,NAME=VALUE] ..." runs this tree's
+# rollout and profile (EXTRA_PARTS) with constants of kfrl.engines.kernels set, e.g. "split2=ATTENTION_SPLITS=2".
 set -u
 out=$1; shift
 mkdir -p "$out"
@@ -26,5 +27,13 @@ for s in "${shapes[@]}"; do
     PYTHONPATH=$PWD/../${tree#*=}:$PWD timeout 120 python decode_step.py --shape "$s" \
       --parts "${EXTRA_PARTS:-rollout,profile}" --label "$label" --out "$out/${label}_$s.json" 2>&1 \
       | grep -E "SUMMARY|Error" | cut -c1-1500
+  done
+  for variant in ${VARIANTS:-}; do
+    label=${variant%%=*}
+    settings=()
+    IFS=, read -ra pairs <<< "${variant#*=}"
+    for pair in "${pairs[@]}"; do settings+=(--kernel-setting "$pair"); done
+    timeout 120 python decode_step.py --shape "$s" --parts "${EXTRA_PARTS:-rollout,profile}" --label "$label" \
+      "${settings[@]}" --out "$out/${label}_$s.json" 2>&1 | grep -E "SUMMARY|Error" | cut -c1-1500
   done
 done

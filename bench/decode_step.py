@@ -8,8 +8,9 @@ of a Qwen2.5 shape, bf16, built straight on the device: no checkpoint).
   against the sum of its kernels' times (torch.profiler), kernels grouped by name; the CPU time of one
   capture (warm-up step + capture + instantiate).
 - ``attention``: the fused rotary + cache write + attention kernel alone over every layer's cache, per
-  launch configuration (columns per block, warps, pipeline stages), against its bytes at the card's
-  bandwidth.
+  launch configuration (columns per block, warps, pipeline stages, splits of the columns), against its
+  bytes at the card's bandwidth. ``--kernel-setting ATTENTION_SPLITS=2`` (any integer constant of
+  ``kfrl.engines.kernels``, repeatable) sets a constant before any part runs.
 - ``rollout``: ``TorchRollout.generate_responses`` on 64 prompts x 4 samples, 133 + 256 tokens, no
   EOS (every sequence runs 256 tokens): tokens per second of the second call, the first call's seconds,
   and the engine's stats. Run it once per source tree (e.g. PYTHONPATH of an older checkout) to
@@ -185,9 +186,9 @@ def part_profile(decoder, device: str) -> dict:
 
 
 def part_attention(decoder, device: str) -> dict:
-    """``rope_attention``'s kernel over every layer, for each launch configuration."""
+    """``rope_attention`` over every layer, for each launch configuration (columns per block, warps,
+    pipeline stages, splits of the columns), set through the module's constants as a rollout sets them."""
     import torch
-    import triton
 
     from kfrl.engines import kernels
 
@@ -196,35 +197,37 @@ def part_attention(decoder, device: str) -> dict:
     cache, bias, column, positions = state["cache"], state["attn_bias"], state["column"], state["positions"]
     cos_table, sin_table = decoder.rope_tables(1)
     qkv = torch.randn((BATCH, spec.q_size + 2 * spec.kv_size), device=DEVICE, dtype=torch.bfloat16)
-    out = torch.empty((BATCH, spec.n_heads, spec.head_dim), device=DEVICE, dtype=torch.bfloat16)
-    group = spec.n_heads // spec.n_kv_heads
     length = int(column) + 1
     kv_bytes = 2 * BATCH * spec.n_kv_heads * length * spec.head_dim * 2
-    block_g = max(16, triton.next_power_of_2(group))
+    settings = ("ATTENTION_BLOCK_N", "ATTENTION_WARPS", "ATTENTION_STAGES", "ATTENTION_SPLITS")
+    default = tuple(getattr(kernels, name) for name in settings)
+
+    def all_layers():
+        for layer in range(spec.n_layers):
+            kernels.rope_attention(qkv, positions, cos_table, sin_table, None, None, 1e-6, cache[layer, 0],
+                                   cache[layer, 1], column, bias, spec.n_heads, spec.n_kv_heads, spec.head_dim)
+
     results = []
-    for block_n in (32, 64, 128):
-        for warps in (2, 4, 8):
-            for stages in (2, 3):
-                def fused():
-                    for layer in range(spec.n_layers):
-                        keys, values = cache[layer, 0], cache[layer, 1]
-                        kernels._rope_attention_kernel[(BATCH, spec.n_kv_heads)](
-                            qkv, positions, cos_table, sin_table, qkv, qkv, 1e-6, keys, values, bias, out, column,
-                            bias.shape[1], qkv.stride(0), bias.stride(0), keys.stride(0), keys.stride(1),
-                            keys.stride(2), spec.head_dim ** -0.5, N_HEADS=spec.n_heads, GROUP=group,
-                            HD=spec.head_dim, BLOCK_G=block_g,
-                            HALF_BLOCK=max(16, triton.next_power_of_2(spec.head_dim // 2)), BLOCK_N=block_n,
-                            HAS_NORM=False, num_warps=warps, num_stages=stages)
-                row = {"block_n": block_n, "warps": warps, "stages": stages}
-                try:
-                    row["fused_us"] = round(graph_time(fused, repeats=2) / spec.n_layers * 1e6, 2)
-                except Exception as exc:  # a configuration that does not fit (shared memory) is skipped
-                    row["fused_us_error"] = str(exc)[:120]
-                results.append(row)
-    default = next(r for r in results if (r["block_n"], r["warps"], r["stages"]) ==
-                   (kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, kernels.ATTENTION_STAGES))
+    try:
+        for block_n in (32, 64):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    for splits in (1, 2, 4):
+                        config = (block_n, warps, stages, splits)
+                        for name, value in zip(settings, config):
+                            setattr(kernels, name, value)
+                        row = dict(zip(("block_n", "warps", "stages", "splits"), config))
+                        try:
+                            row["fused_us"] = round(graph_time(all_layers, repeats=2) / spec.n_layers * 1e6, 2)
+                        except Exception as exc:  # a configuration that does not fit (shared memory) is skipped
+                            row["fused_us_error"] = str(exc)[:120]
+                        results.append(row)
+    finally:
+        for name, value in zip(settings, default):
+            setattr(kernels, name, value)
+    chosen = next(r for r in results if (r["block_n"], r["warps"], r["stages"], r["splits"]) == default)
     return {"per_layer_bytes": kv_bytes, "bound_us": round(kv_bytes / bandwidth(device) * 1e6, 2),
-            "best": min((r for r in results if "fused_us" in r), key=lambda r: r["fused_us"]), "default": default,
+            "best": min((r for r in results if "fused_us" in r), key=lambda r: r["fused_us"]), "default": chosen,
             "all": results}
 
 
@@ -258,15 +261,26 @@ def main() -> None:
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--kernel-setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="set an integer constant of kfrl.engines.kernels (e.g. ATTENTION_SPLITS=2) first")
     args = parser.parse_args()
 
     import torch
+
+    from kfrl.engines import kernels
+
+    for setting in args.kernel_setting:
+        name, value = setting.split("=")
+        if not hasattr(kernels, name):
+            raise SystemExit(f"kfrl.engines.kernels has no {name}")
+        setattr(kernels, name, int(value))
 
     global DEVICE
     DEVICE = args.device
     device = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
     decoder = random_decoder(args.shape)
-    result = {"device": device, "shape": args.shape, "label": args.label, "torch": torch.__version__}
+    result = {"device": device, "shape": args.shape, "label": args.label, "torch": torch.__version__,
+              "kernel_settings": args.kernel_setting}
     for part in args.parts.split(","):
         t0 = time.perf_counter()
         try:

@@ -59,8 +59,13 @@ CHECKS = textwrap.dedent(r"""
                           rtol=0), "rms_norm"
 
     # rope_attention: rotary, the K/V write and attention in one kernel; the step's own column from
-    # registers, the columns after it ignored whatever their bias says
-    for heads, kv, head_dim, with_norm in ((14, 2, 64, False), (4, 2, 24, True)):
+    # registers, the columns after it ignored whatever their bias says. Split over the columns too: 4
+    # splits of 64 columns leave the last split empty and row 1's second split wholly masked; twice,
+    # because the last program of each pair resets its arrival counter for the next call.
+    for heads, kv, head_dim, with_norm, splits in ((14, 2, 64, False, 1), (4, 2, 24, True, 1),
+                                                   (14, 2, 64, False, 4), (4, 2, 24, True, 4),
+                                                   (4, 2, 24, True, 4)):
+        kernels.ATTENTION_SPLITS = splits
         rows, columns, at = 3, 150, 129
         qkv = rand(rows, (heads + 2 * kv) * head_dim)
         positions = torch.tensor([at, 60, 100], device=device)
@@ -74,6 +79,7 @@ CHECKS = textwrap.dedent(r"""
         bias = torch.zeros(rows, columns, device=device, dtype=dtype)
         bias[0, :70] = float("-inf")
         bias[2, 100:at] = float("-inf")
+        bias[1, 64:128] = float("-inf")
         ref = kernels.rope_attention_ref(qkv, positions, cos, sin, qn, kn, 1e-6, caches[0][0], caches[0][1], column,
                                          bias, heads, kv, head_dim)
         got = kernels.rope_attention(qkv, positions, cos, sin, qn, kn, 1e-6, caches[1][0], caches[1][1], column,
@@ -96,7 +102,9 @@ CHECKS = textwrap.dedent(r"""
                + head_dim ** 0.5 * rope_tol * (float(q_rot.max()) + float(keys_abs.max())))
         vmax = float(caches[0][1].float().abs()[:, :, :at + 1].max())
         fused_tol = 2e-2 if dtype == torch.bfloat16 else 2 * (2 * e_s + 2 * gamma(at + 1) + 4 * u) * vmax
-        assert torch.allclose(got, ref, atol=fused_tol, rtol=0), ("rope_attention", heads, (got - ref).abs().max())
+        assert torch.allclose(got, ref, atol=fused_tol, rtol=0), ("rope_attention", heads, splits,
+                                                                  (got - ref).abs().max())
+    kernels.ATTENTION_SPLITS = 1
 
     gate_up = rand(4, 2 * 1100)
     ref = kernels.silu_mul_ref(gate_up)  # elementwise: exp, add, divide, two products (~8 u relative)

@@ -135,6 +135,22 @@ def record_ref(new_tokens, new_logprobs, finished, sequence, tokens, positions, 
 ATTENTION_BLOCK_N = 64
 ATTENTION_WARPS = 4
 ATTENTION_STAGES = 2
+# Programs per (sequence, KV head), each over its own share of the columns (flash-decoding): one per
+# pair leaves a 256-sequence batch of a 2-KV-head model at 512 programs, each reading its columns
+# serially; more split the read and the last to finish combines the partial softmaxes.
+ATTENTION_SPLITS = 1
+
+_split_counters: dict = {}
+
+
+def _arrival_counters(device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), kept across calls: the last program of a
+    pair to arrive combines the pair's partial results and resets its counter to 0 for the next."""
+    counters = _split_counters.get(device)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _split_counters[device] = counters
+    return counters
 
 def add_rms_norm(x, delta, weight, eps):
     """(x + delta, rms_norm(x + delta) * weight) for x (b, hidden); delta None = no residual add.
@@ -158,15 +174,24 @@ def rope_attention(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, ke
                                   attn_bias, n_heads, n_kv_heads, head_dim)
     b = qkv.shape[0]
     group = n_heads // n_kv_heads
+    block_g = max(16, triton.next_power_of_2(group))
     out = torch.empty((b, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
-    _rope_attention_kernel[(b, n_kv_heads)](
+    splits = max(1, ATTENTION_SPLITS)
+    if splits > 1:
+        # per (sequence, KV head, split): the running output (GROUP, HD), then its max and sum per query head
+        partial = torch.empty((b * n_kv_heads * splits, group * (head_dim + 2)), dtype=torch.float32,
+                              device=qkv.device)
+        counters = _arrival_counters(qkv.device, b * n_kv_heads)
+    else:
+        partial = counters = out
+    _rope_attention_kernel[(b, n_kv_heads, splits)](
         qkv, positions, cos_table, sin_table, q_norm if has_norm else qkv, k_norm if has_norm else qkv, eps,
-        keys, values, attn_bias, out, column, attn_bias.shape[1], qkv.stride(0), attn_bias.stride(0),
-        keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, N_HEADS=n_heads, GROUP=group,
-        HD=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HALF_BLOCK=max(16, triton.next_power_of_2(head_dim // 2)), BLOCK_N=ATTENTION_BLOCK_N, HAS_NORM=has_norm,
-        num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES)
+        keys, values, attn_bias, out, partial, counters, column, attn_bias.shape[1], qkv.stride(0),
+        attn_bias.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, N_HEADS=n_heads,
+        GROUP=group, HD=head_dim, BLOCK_G=block_g, HALF_BLOCK=max(16, triton.next_power_of_2(head_dim // 2)),
+        BLOCK_N=ATTENTION_BLOCK_N, HAS_NORM=has_norm, SPLITS=splits, num_warps=ATTENTION_WARPS,
+        num_stages=ATTENTION_STAGES)
     return out.flatten(1)
 
 
@@ -262,14 +287,17 @@ if triton is not None:
     # the earlier attention kernel was 2.5x slower).
     @triton.jit(do_not_specialize=["columns", "bias_stride"])
     def _rope_attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, k_ptr, v_ptr, bias_ptr,
-                               out_ptr, col_ptr, columns, qkv_stride, bias_stride, row_stride, head_stride, col_stride,
-                               scale, N_HEADS: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
-                               BLOCK_G: tl.constexpr, HALF_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                               HAS_NORM: tl.constexpr):
-        """One program per (sequence, KV head). Vectors are kept as their two rotary halves, so that the
-        rotation needs no shuffle: scores are q1.k1 + q2.k2 and the output is written half by half."""
+                               out_ptr, partial_ptr, count_ptr, col_ptr, columns, qkv_stride, bias_stride, row_stride,
+                               head_stride, col_stride, scale, N_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                               HD: tl.constexpr, BLOCK_G: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                               BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLITS: tl.constexpr):
+        """One program per (sequence, KV head, split of the columns). Vectors are kept as their two rotary
+        halves, so that the rotation needs no shuffle: scores are q1.k1 + q2.k2 and the output is written
+        half by half. Split 0 writes the step's K/V and attends its own column from registers."""
         row = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        first = split == 0
         half: tl.constexpr = HD // 2
         g = tl.arange(0, BLOCK_G)
         h = tl.arange(0, HALF_BLOCK)
@@ -297,23 +325,28 @@ if triton is not None:
         k1, k2 = _rotate_rows(k1, k2, cos, sin)
         base = row * row_stride + kv_head * head_stride
         here = base + column * col_stride + h[None, :]
-        tl.store(k_ptr + here, k1, mask=h_mask[None, :])
-        tl.store(k_ptr + here + half, k2, mask=h_mask[None, :])
-        tl.store(v_ptr + here, v1, mask=h_mask[None, :])
-        tl.store(v_ptr + here + half, v2, mask=h_mask[None, :])
+        own_mask = h_mask[None, :] & (h[None, :] * 0 + split == 0)  # a block, not scalar & block: the interpreter
+        tl.store(k_ptr + here, k1, mask=own_mask)
+        tl.store(k_ptr + here + half, k2, mask=own_mask)
+        tl.store(v_ptr + here, v1, mask=own_mask)
+        tl.store(v_ptr + here + half, v2, mask=own_mask)
         # The step's own column, from registers (this program's stores are not yet visible to its loads).
         own_bias = tl.load(bias_ptr + row * bias_stride + column).to(tl.float32)
         own = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
                + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale + own_bias
-        best = own
-        seen = tl.where(own == float("-inf"), 0.0, 1.0)
+        best = tl.where(first, own, float("-inf"))
+        seen = tl.where(best == float("-inf"), 0.0, 1.0)
         total = seen
         acc1 = seen[:, None] * v1.to(tl.float32)
         acc2 = seen[:, None] * v2.to(tl.float32)
+        # This split's columns: a whole number of blocks each, the last split's share possibly shorter.
         length = tl.minimum(column, columns)
-        for start in range(0, length, BLOCK_N):
+        share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * share
+        hi = tl.minimum(lo + share, length)
+        for start in range(lo, hi, BLOCK_N):
             cols = start + n
-            c_mask = cols < length
+            c_mask = cols < hi
             at = base + cols[:, None] * col_stride + h[None, :]
             kv_mask = c_mask[:, None] & h_mask[None, :]
             c1 = tl.load(k_ptr + at, mask=kv_mask, other=0.0)
@@ -333,8 +366,42 @@ if triton is not None:
             acc2 = acc2 * rescale[:, None] + tl.dot(w, d2).to(tl.float32)
             best = new_best
         out_at = out_ptr + (row * N_HEADS + kv_head * GROUP + g[:, None]) * HD + h[None, :]
-        tl.store(out_at, (acc1 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
-        tl.store(out_at + half, (acc2 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        if SPLITS == 1:
+            tl.store(out_at, (acc1 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.store(out_at + half, (acc2 / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            pair = row * tl.num_programs(1) + kv_head
+            width: tl.constexpr = GROUP * (HD + 2)
+            mine = partial_ptr + (pair * SPLITS + split) * width
+            part_at = g[:, None] * HD + h[None, :]
+            tl.store(mine + part_at, acc1, mask=q_mask)
+            tl.store(mine + part_at + half, acc2, mask=q_mask)
+            tl.store(mine + GROUP * HD + g, best, mask=g_mask)
+            tl.store(mine + GROUP * HD + GROUP + g, total, mask=g_mask)
+            # acq_rel: the stores above are visible to whichever program arrives last, and that program
+            # sees every other split's.
+            arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
+            if arrived == SPLITS - 1:
+                pair_at = partial_ptr + pair * SPLITS * width
+                top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for s in tl.static_range(SPLITS):
+                    top = tl.maximum(top, tl.load(pair_at + s * width + GROUP * HD + g, mask=g_mask,
+                                                  other=float("-inf"), volatile=True))
+                safe = tl.where(top == float("-inf"), 0.0, top)
+                sum_all = tl.zeros([BLOCK_G], tl.float32)
+                out1 = tl.zeros([BLOCK_G, HALF_BLOCK], tl.float32)
+                out2 = tl.zeros([BLOCK_G, HALF_BLOCK], tl.float32)
+                for s in tl.static_range(SPLITS):
+                    at_s = pair_at + s * width
+                    factor = tl.exp(tl.load(at_s + GROUP * HD + g, mask=g_mask, other=float("-inf"),
+                                            volatile=True) - safe)
+                    sum_all += factor * tl.load(at_s + GROUP * HD + GROUP + g, mask=g_mask, other=0.0,
+                                                volatile=True)
+                    out1 += factor[:, None] * tl.load(at_s + part_at, mask=q_mask, other=0.0, volatile=True)
+                    out2 += factor[:, None] * tl.load(at_s + part_at + half, mask=q_mask, other=0.0, volatile=True)
+                tl.store(out_at, (out1 / sum_all[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+                tl.store(out_at + half, (out2 / sum_all[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+                tl.atomic_xchg(count_ptr + pair, 0)
 
     @triton.jit(do_not_specialize=["slice_size", "splits"])
     def _sample_partial_kernel(logits_ptr, vocab, slice_size, inv_temp, partial_ptr, index_ptr, splits,
