@@ -11,6 +11,8 @@ of a Qwen2.5 shape, bf16, built straight on the device: no checkpoint).
   launch configuration (columns per block, warps, pipeline stages, splits of the columns), against its
   bytes at the card's bandwidth. ``--kernel-setting ATTENTION_SPLITS=2`` (any integer constant of
   ``kfrl.engines.kernels``, repeatable) sets a constant before any part runs.
+- ``gemm``: each projection alone over every layer at 256 rows, ``F.linear`` (what the step runs) against
+  ``torch.mm`` on transposed copies of the weights, with the bytes and FLOPs bounds.
 - ``rollout``: ``TorchRollout.generate_responses`` on 64 prompts x 4 samples, 133 + 256 tokens, no
   EOS (every sequence runs 256 tokens): tokens per second of the second call, the first call's seconds,
   and the engine's stats. Run it once per source tree (e.g. PYTHONPATH of an older checkout) to
@@ -231,6 +233,34 @@ def part_attention(decoder, device: str) -> dict:
             "all": results}
 
 
+def part_gemm(decoder, device: str) -> dict:
+    """Each projection of the decode step over every layer at 256 rows: ``F.linear`` on the decoder's
+    (out, in) weights (what the step runs) against ``torch.mm`` on (in, out) copies, which cuBLAS serves
+    with other kernels, and against the weights' bytes at the card's bandwidth and the FLOPs at 989 TFLOP/s."""
+    import torch
+    import torch.nn.functional as F
+
+    blocks = decoder.blocks
+    projections = {"qkv": [b.qkv_weight for b in blocks], "o": [b.o_weight for b in blocks],
+                   "gate_up": [b.gate_up_weight for b in blocks], "down": [b.down_weight for b in blocks],
+                   "lm_head": [decoder.lm_head]}
+    result = {}
+    for name, weights in projections.items():
+        out_features, in_features = weights[0].shape
+        x = torch.randn((BATCH, in_features), device=DEVICE, dtype=torch.bfloat16)
+        transposed = [w.t().contiguous() for w in weights]
+        y = torch.empty((BATCH, out_features), device=DEVICE, dtype=torch.bfloat16)
+        row = {"out": out_features, "in": in_features,
+               "bytes_bound_us": round(weights[0].numel() * 2 / bandwidth(device) * 1e6, 2),
+               "flops_bound_us": round(2 * BATCH * weights[0].numel() / 989e12 * 1e6, 2)}
+        row["linear_us"] = round(graph_time(lambda: [F.linear(x, w) for w in weights], repeats=2)
+                                 / len(weights) * 1e6, 2)
+        row["mm_transposed_us"] = round(graph_time(lambda: [torch.mm(x, w, out=y) for w in transposed], repeats=2)
+                                        / len(weights) * 1e6, 2)
+        result[name] = row
+    return result
+
+
 def part_rollout(decoder) -> dict:
     import torch
 
@@ -296,7 +326,7 @@ def main() -> None:
 
 def run_part(part: str, result: dict, decoder, device: str) -> None:
     parts = {"profile": lambda: part_profile(decoder, device), "attention": lambda: part_attention(decoder, device),
-             "rollout": lambda: part_rollout(decoder)}
+             "rollout": lambda: part_rollout(decoder), "gemm": lambda: part_gemm(decoder, device)}
     result[part] = parts[part]()
 
 if __name__ == "__main__":
