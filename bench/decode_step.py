@@ -212,7 +212,7 @@ def part_attention(decoder, device: str) -> dict:
     results = []
     try:
         for block_n in (32, 64):
-            for warps in (4, 8):
+            for warps in (4,):
                 for stages in (2, 3):
                     for splits in (1, 2, 4):
                         config = (block_n, warps, stages, splits)
