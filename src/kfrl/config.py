@@ -68,6 +68,12 @@ class ModelConfig(Section):
     lora_alpha: float = Field(16, gt=0)
     target_modules: Union[str, list[str]] = "all-linear"
     exclude_modules: Optional[list[str]] = None
+    # The rows of a micro-batch that share a prompt (rollout.n samples of it) run the prompt's tokens
+    # through the model once, in the update and the old/ref log-prob passes: a packed sequence of the
+    # prompt and its responses, each response attending to the prompt and to itself only
+    # (kfrl.engines.shared_prompt). The same result up to summation order, with fewer tokens computed.
+    # Applies to Qwen2/Qwen3/Llama/Mistral models on SDPA attention; others run one sequence per row.
+    share_prompt_forward: bool = False
 
 
 class ValKwargsConfig(Section):

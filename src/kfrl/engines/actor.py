@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from kfrl.engines.inference import forward_response
+from kfrl.engines.inference import forward_response, prompt_sharing
 from kfrl.engines.minibatch import mean_metrics, optimize
 from kfrl.trajectory import Trajectories
 
@@ -16,12 +16,15 @@ LOSS_GENERATOR_SEED_OFFSET = 0x10557
 
 def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, mini_batch_size: int,
                  temperature: float, autocast_dtype=None, seed: int = 0, progress=None,
-                 sample_ids=None) -> dict[str, float]:
+                 sample_ids=None, share_prompts: bool = False) -> dict[str, float]:
     """Runs the update in place on ``model``/``optimizer`` over trajectories with ``advantages`` and,
     optionally, ``old_logprobs`` (absent: the on-policy shortcut, old = new.detach()) and
-    ``ref_logprobs`` (absent: no KL loss); returns veRL-named metrics (means over micro-batches)."""
+    ``ref_logprobs`` (absent: no KL loss); returns veRL-named metrics (means over micro-batches).
+    ``share_prompts``: the rows of a micro-batch that share a prompt share its pass
+    (``kfrl.engines.shared_prompt``)."""
     from kfrl.algos import actor_loss
 
+    layout_of = prompt_sharing(model, trajectories, share_prompts)
     full = trajectories.to(next(model.parameters()).device)
     on_policy = full.get("old_logprobs") is None
     # Random choices inside the loss (clip_cov's pick among candidate tokens) come from a generator
@@ -40,7 +43,8 @@ def update_actor(model, optimizer, trajectories: Trajectories, actor_cfg, *, min
         # Entropy costs a softmax over the vocabulary: only when it is in the loss, or when no
         # old-logprob pass reported actor/entropy for this batch.
         want_entropy = actor_cfg.entropy_coeff != 0 or on_policy
-        log_prob, entropy = forward_response(model, batch, temperature, want_entropy, autocast_dtype)
+        log_prob, entropy = forward_response(model, batch, temperature, want_entropy, autocast_dtype,
+                                             layout=layout_of(rows, batch) if layout_of else None)
         old_lp = log_prob.detach() if on_policy else batch.get("old_logprobs")
         loss, stats = actor_loss(
             log_prob, old_lp, batch.get("advantages"), mask, loss_mode=actor_cfg.loss_mode,

@@ -19,9 +19,14 @@ from kfrl.trajectory import Trajectories
 LOGIT_CHUNK_ELEMENTS = 2**28
 
 
-def response_hidden(model, batch: Trajectories) -> torch.Tensor:
-    """Final hidden states (B, L, H) at the positions that predict each response token."""
+def response_hidden(model, batch: Trajectories, layout=None) -> torch.Tensor:
+    """Final hidden states (B, L, H) at the positions that predict each response token; with a
+    ``SharedPromptLayout`` of the batch (``kfrl.engines.shared_prompt``), from one pass per prompt."""
     decoder = model.get_decoder()
+    if layout is not None:
+        from kfrl.engines.shared_prompt import packed_hidden
+
+        return packed_hidden(decoder, batch.input_ids, layout)
     hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
     index = batch.gather_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     return torch.gather(hidden, 1, index)
@@ -79,14 +84,16 @@ def attention_kernels(device_type: str):
 
 
 def forward_token_stats(model, batch: Trajectories, temperature: float, with_entropy: bool,
-                        autocast_dtype: torch.dtype | None = None, with_sum_pi_squared: bool = False):
+                        autocast_dtype: torch.dtype | None = None, with_sum_pi_squared: bool = False,
+                        layout=None):
     """(log_probs (B, L), entropy (B, L) or None, sum_pi_squared (B, L) or None); differentiable when
     grad is enabled. The LM head, softmax, entropy and sum of squared probabilities run over chunks of
-    positions (``LOGIT_CHUNK_ELEMENTS``), so the full (B, L, V) fp32 logits never exist."""
+    positions (``LOGIT_CHUNK_ELEMENTS``), so the full (B, L, V) fp32 logits never exist. ``layout``: the
+    batch's shared-prompt layout, or None for one sequence per row."""
     from torch.utils.checkpoint import checkpoint
 
     with autocast(batch.input_ids.device.type, autocast_dtype), attention_kernels(batch.input_ids.device.type):
-        hidden = response_hidden(model, batch)
+        hidden = response_hidden(model, batch, layout)
     head = model.get_output_embeddings()
     rows, length, width = hidden.shape
     flat, targets = hidden.reshape(rows * length, width), batch.response_ids.reshape(-1)
@@ -110,24 +117,46 @@ def forward_token_stats(model, batch: Trajectories, temperature: float, with_ent
 
 
 def forward_response(model, batch: Trajectories, temperature: float, with_entropy: bool,
-                     autocast_dtype: torch.dtype | None = None):
+                     autocast_dtype: torch.dtype | None = None, layout=None):
     """(log_probs (B, L), entropy (B, L) or None): ``forward_token_stats`` without the sum of squared
     probabilities."""
-    log_probs, entropy, _ = forward_token_stats(model, batch, temperature, with_entropy, autocast_dtype)
+    log_probs, entropy, _ = forward_token_stats(model, batch, temperature, with_entropy, autocast_dtype,
+                                                layout=layout)
     return log_probs, entropy
+
+
+def prompt_sharing(model, trajectories: Trajectories, wanted: bool):
+    """A function of a micro-batch's row indices and its (selected, possibly trimmed) batch that returns
+    the batch's shared-prompt layout, or None where sharing would not save tokens; None itself when
+    sharing is not ``wanted`` or the model does not support it (``kfrl.engines.shared_prompt``)."""
+    if not wanted:
+        return None
+    from kfrl.engines import shared_prompt
+
+    if not shared_prompt.enable(model):
+        return None
+    index = shared_prompt.PromptIndex.of(trajectories)
+
+    def layout(rows: torch.Tensor, batch: Trajectories):
+        return shared_prompt.plan_layout(index, rows, batch.input_ids.shape[1], batch.gather_positions.shape[1],
+                                         batch.input_ids.device)
+
+    return layout
 
 
 @torch.no_grad()
 def compute_token_stats(model, trajectories: Trajectories, *, temperature: float, micro_batch_size: int,
                         with_entropy: bool, with_sum_pi_squared: bool = False, autocast_dtype=None,
-                        token_budget: int = 0):
+                        token_budget: int = 0, share_prompts: bool = False):
     """(log-probs (B, L), entropies or None, sums over the vocabulary of the squared probabilities or
     None) of the response tokens, micro-batched (by ``micro_batch_size`` rows, or with ``token_budget``
     > 0 by tokens, each micro-batch cut to its longest sequence: ``budget_micro_batches``); positions
-    past a response's length hold no meaning (``Trajectories.unpad`` drops them)."""
+    past a response's length hold no meaning (``Trajectories.unpad`` drops them). ``share_prompts``: the
+    rows of a micro-batch that share a prompt share its pass (``kfrl.engines.shared_prompt``)."""
     from kfrl.engines.minibatch import budget_micro_batches
 
     device = next(model.parameters()).device
+    layout_of = prompt_sharing(model, trajectories, share_prompts)
     trajectories = trajectories.to(device)
     rows = len(trajectories)
     if token_budget > 0:
@@ -139,8 +168,9 @@ def compute_token_stats(model, trajectories: Trajectories, *, temperature: float
     out = [torch.zeros(rows, width, device=device) if want else None for want in wanted]
     for batch in batches:
         part = trajectories.select(batch.to(device))
-        stats = forward_token_stats(model, part.trimmed() if token_budget > 0 else part, temperature,
-                                    with_entropy, autocast_dtype, with_sum_pi_squared)
+        part = part.trimmed() if token_budget > 0 else part
+        stats = forward_token_stats(model, part, temperature, with_entropy, autocast_dtype, with_sum_pi_squared,
+                                    layout=layout_of(batch, part) if layout_of else None)
         for k, value in enumerate(stats):
             if value is not None:
                 out[k][batch.to(device), :value.shape[1]] = value.float()

@@ -32,7 +32,7 @@ def _logprobs(ctx: StageContext, table, weights_iteration: int, with_entropy: bo
             micro_batch_size=ctx.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=with_entropy,
             with_sum_pi_squared=with_sum_pi_squared, autocast_dtype=ctx.compute_dtype,
             token_budget=ctx.config.rollout.log_prob_max_token_len_per_gpu
-            if ctx.config.rollout.log_prob_use_dynamic_bsz else 0)
+            if ctx.config.rollout.log_prob_use_dynamic_bsz else 0, share_prompts=ctx.config.model.share_prompt_forward)
     return (trajectories.unpad(logprobs), (trajectories.unpad(entropy) if with_entropy else None),
             (trajectories.unpad(sum_pi_squared) if with_sum_pi_squared else None))
 

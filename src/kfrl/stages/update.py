@@ -309,7 +309,8 @@ def _actor_step(ctx: StageContext, table, model, optimizer, steps: int) -> tuple
     trajectories = Trajectories.from_table(table, pad_id=tokenizer.pad_token_id or 0, fields=fields)
     metrics = run_update(model, optimizer, trajectories, cfg.actor, mini_batch_size=cfg.mini_batch_trajectories,
                          temperature=cfg.rollout.temperature, autocast_dtype=ctx.compute_dtype,
-                         seed=ctx.seed("update_actor"), sample_ids=table.column("sample_id").to_pylist())
+                         seed=ctx.seed("update_actor"), sample_ids=table.column("sample_id").to_pylist(),
+                         share_prompts=cfg.model.share_prompt_forward)
     return metrics, steps + cfg.n_mini_batches * cfg.actor.ppo_epochs
 
 
