@@ -9,6 +9,8 @@ more than reading the weights. These kernels bring a transformer block to about 
   query token per sequence against the cache: the query heads of a KV head together (grouped-query
   attention without repeating K/V), online softmax over column blocks, the step's own column from
   registers; the attended length is read on the device, so one captured step serves every length;
+  with ``ATTENTION_SPLITS`` > 1 the columns are split between that many programs per (sequence, KV
+  head), and the last of them to finish combines their partial softmaxes (flash-decoding);
 - ``silu_mul``: the SwiGLU activation on the fused gate/up projection;
 - ``sample_and_record``: temperature sampling (inverse CDF: one Philox uniform per row) or greedy
   choice, the chosen token's log-prob under log_softmax(logits / T) by an online log-sum-exp, and
