@@ -72,7 +72,8 @@ class ModelConfig(Section):
     # through the model once, in the update and the old/ref log-prob passes: a packed sequence of the
     # prompt and its responses, each response attending to the prompt and to itself only
     # (kfrl.engines.shared_prompt). The same result up to summation order, with fewer tokens computed.
-    # Applies to Qwen2/Qwen3/Llama/Mistral models on SDPA attention; others run one sequence per row.
+    # Applies to Qwen2/Qwen3/Llama/Mistral models on SDPA attention; others, and the update with
+    # actor.use_torch_compile, run one sequence per row.
     share_prompt_forward: bool = False
 
 

@@ -310,7 +310,8 @@ def _actor_step(ctx: StageContext, table, model, optimizer, steps: int) -> tuple
     metrics = run_update(model, optimizer, trajectories, cfg.actor, mini_batch_size=cfg.mini_batch_trajectories,
                          temperature=cfg.rollout.temperature, autocast_dtype=ctx.compute_dtype,
                          seed=ctx.seed("update_actor"), sample_ids=table.column("sample_id").to_pylist(),
-                         share_prompts=cfg.model.share_prompt_forward)
+                         # compiled blocks would recompile for every new packed shape: rows as they are
+                         share_prompts=cfg.model.share_prompt_forward and not cfg.actor.use_torch_compile)
     return metrics, steps + cfg.n_mini_batches * cfg.actor.ppo_epochs
 
 
