@@ -175,3 +175,16 @@ def test_models_off_sdpa_or_of_other_types_keep_one_sequence_per_row():
         transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2))
     assert inference.prompt_sharing(gpt2, _batch(), True) is None
     assert inference.prompt_sharing(_model("qwen2"), _batch(), False) is None
+
+
+def test_a_model_saved_after_a_shared_pass_names_no_kfrl_attention(tmp_path):
+    """The attention switch lives in the process: a checkpoint written after it loads anywhere (HF,
+    vLLM) with the attention it had."""
+    import transformers
+
+    model = _model("qwen2")
+    assert inference.prompt_sharing(model, _batch(), True) is not None
+    assert model.config._attn_implementation == shared_prompt.ATTENTION_NAME
+    model.save_pretrained(tmp_path)
+    assert shared_prompt.ATTENTION_NAME not in (tmp_path / "config.json").read_text()
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"

@@ -35,7 +35,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 class PromptIndex:
     """Host-side facts of a batch's rows (B,): which prompt each row has (rows with identical prompt
     tokens get one id), and its prompt and response lengths. Built once per pass, so that laying out
-    a micro-batch reads nothing from the device."""
+    a micro-batch reads only its row indices."""
     prompt_ids: torch.Tensor
     prompt_lengths: torch.Tensor
     response_lengths: torch.Tensor
@@ -47,7 +47,6 @@ class PromptIndex:
         seen: dict[tuple, int] = {}
         ids = [seen.setdefault(tuple(row[:n].tolist()), len(seen)) for row, n in zip(input_ids, prompt_lengths)]
         return cls(torch.tensor(ids, dtype=torch.long), prompt_lengths, trajectories.lengths.cpu())
-
 
 
 @dataclass
