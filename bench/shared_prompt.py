@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="print each pass's top GPU kernels")
     args = parser.parse_args()
 
     import torch
@@ -50,8 +51,10 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(args.device):
         model = transformers.Qwen2ForCausalLM(config).to(dtype).train()
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.gradient_checkpointing:  # as the update enables it (actor.gradient_checkpointing)
+        from kfrl.stages.update import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(model, "cuda" if cuda else "cpu")
     g = torch.Generator().manual_seed(0)
     vocab = shape["vocab_size"]
     prompts = [torch.randint(10, vocab, (PROMPT,), generator=g).tolist() for _ in range(args.rows // SAMPLES)]
@@ -64,7 +67,8 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    def one_pass(use_layout):
+    def one_pass(name):
+        use_layout = name == "shared"
         model.zero_grad(set_to_none=True)
         sync()
         start = time.perf_counter()
@@ -74,22 +78,39 @@ def main() -> None:
         return time.perf_counter() - start, log_probs.detach()
 
     times: dict[str, list[float]] = {"rows": [], "shared": []}
+    log_probs_of, errors = {}, {}
     for _ in range(args.repeats):
-        for name in times:
-            seconds, log_probs = one_pass(name == "shared")
+        for name in list(times):
+            if name in errors:
+                continue
+            try:
+                seconds, log_probs_of[name] = one_pass(name)
+            except Exception as error:  # a failing variant is reported, the others still measured
+                errors[name] = f"{type(error).__name__}: {error}"[:2000]
+                print(f"{name}: {errors[name]}", flush=True)
+                continue
             times[name].append(seconds)
-            if name == "rows":
-                plain = log_probs
-            else:
-                shared = log_probs
+    if args.profile and cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name in times:
+            if name in errors:
+                continue
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                one_pass(name)
+            print(f"PROFILE {name}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                                                     max_name_column_width=60), flush=True)
+    times = {name: values for name, values in times.items() if len(values) > 1}
     median = {name: statistics.median(values[1:]) for name, values in times.items()}
+    plain = log_probs_of.get("rows")
     result = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "shape": args.shape, "dtype": str(dtype),
               "rows": args.rows, "gradient_checkpointing": args.gradient_checkpointing, "torch": torch.__version__,
               "tokens": {"rows": batch.input_ids.numel(), "shared": layout.source_rows.numel()},
               "seconds": {name: [round(v, 4) for v in values] for name, values in times.items()},
               "median_s": {name: round(v, 4) for name, v in median.items()},
-              "shared_over_rows": round(median["shared"] / median["rows"], 3),
-              "max_logprob_difference": float((shared - plain).abs().max())}
+              "over_rows": {name: round(v / median["rows"], 3) for name, v in median.items()},
+              "max_logprob_difference": {name: float((lp - plain).abs().max()) for name, lp in log_probs_of.items()},
+              "errors": errors}
     print("SUMMARY " + json.dumps({k: v for k, v in result.items() if k != "seconds"}), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
