@@ -152,3 +152,32 @@ def test_chunked_log_probs_and_their_gradients_equal_the_whole_vocabulary_pass(t
     assert chunked[2].keys() == whole[2].keys()
     for name in whole[2]:
         torch.testing.assert_close(chunked[2][name], whole[2][name], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
+
+
+@pytest.mark.numerics
+def test_padded_rows_give_each_row_s_own_log_probs_entropies_and_gradients(tiny):
+    """The log-prob pass runs right-padded rows without a padding mask: each row's real tokens must see
+    exactly what they see alone, in the forward and the backward (float64; bound of tests/numerics.py)."""
+    from kfrl.engines.inference import forward_response
+
+    model, tokenizer, prompts = tiny
+    model = copy.deepcopy(model).to(torch.float64)
+    responses = [[7, 8, 9, 10, 11, 12, 13], [7], [9, 9, 9], [8, 7, 8, 7, 8], [10, 11], [12, 12, 12, 12]]
+    batch = Trajectories.from_lists(prompts[:6], responses, pad_id=tokenizer.pad_token_id)
+    assert len({len(p) + len(r) for p, r in zip(prompts[:6], responses)}) > 1  # rows of several lengths
+
+    def grads_of(data):
+        model.zero_grad(set_to_none=True)
+        log_probs, entropy = forward_response(model, data, 1.0, True)
+        ((log_probs + entropy) * data.response_mask).sum().backward()
+        return log_probs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    padded_lp, padded_h, padded_grads = grads_of(batch)
+    alone = [grads_of(batch.select(slice(i, i + 1)).trimmed()) for i in range(len(responses))]
+    for i, (lp, h, _) in enumerate(alone):
+        n = len(responses[i])
+        torch.testing.assert_close(padded_lp[i, :n], lp[0, :n], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(padded_h[i, :n], h[0, :n], atol=1e-12, rtol=1e-12)
+    for name, grad in padded_grads.items():
+        summed = sum(g[name] for _, _, g in alone)
+        torch.testing.assert_close(grad, summed, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
