@@ -270,6 +270,34 @@ def test_critic_values_sit_at_the_position_before_each_token_and_micro_batching_
     assert forward_values(model, trajectories).shape == (2, 3)
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("family", ["qwen2", "bert"])
+def test_padded_rows_get_each_row_s_own_values_causal_or_not(family):
+    """A causal value model runs right-padded rows without a padding mask, a bidirectional one (BERT)
+    with it: either way a padded row's values equal the row's own (float64)."""
+    import transformers
+
+    from kfrl.engines.critic import forward_values
+    from kfrl.engines.inference import causal_attention
+    from kfrl.trajectory import Trajectories
+
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+                 num_labels=1)
+    model = (transformers.Qwen2ForTokenClassification(transformers.Qwen2Config(num_key_value_heads=2, **sizes))
+             if family == "qwen2" else transformers.BertForTokenClassification(transformers.BertConfig(**sizes)))
+    model = model.to(torch.float64).eval()
+    assert causal_attention(model) == (family == "qwen2")
+    prompts, responses = [[5, 6, 7], [8, 9], [3]], [[10, 11, 12, 13], [12], [14, 15]]
+    batch = Trajectories.from_lists(prompts, responses, pad_id=0)
+    with torch.no_grad():
+        padded = forward_values(model, batch)
+        for i, response in enumerate(responses):
+            alone = forward_values(model, batch.select(slice(i, i + 1)).trimmed())
+            # float32 values of float64 results: equal but for a rounding straddle (float32 tolerances)
+            torch.testing.assert_close(padded[i, :len(response)], alone[0, :len(response)])
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.adv_estimator=gae", "critic.enable=false"], "needs a critic"),
     (["algorithm.adv_estimator=grpo_passk", "rollout.n=1"], "rollout.n >= 2"),

@@ -19,7 +19,9 @@ def forward_values(model, batch: Trajectories, autocast_dtype=None) -> torch.Ten
     """(B, L) values at response positions; differentiable when grad is enabled."""
     device_type = batch.input_ids.device.type
     with autocast(device_type, autocast_dtype), inference.attention_kernels(device_type):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        # right-padded rows: a causal model needs no padding mask (see inference.response_hidden)
+        mask = None if inference.causal_attention(model) else batch.attention_mask
+        logits = model(input_ids=batch.input_ids, attention_mask=mask).logits
     per_position = logits.float().squeeze(-1)  # (B, T)
     return torch.gather(per_position, 1, batch.gather_positions)
 

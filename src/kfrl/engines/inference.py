@@ -36,6 +36,14 @@ def response_hidden(model, batch: Trajectories, layout=None) -> torch.Tensor:
     return torch.gather(hidden, 1, index)
 
 
+def causal_attention(model) -> bool:
+    """Whether every attention of ``model`` is causal (transformers marks each attention module's
+    ``is_causal``): then right-padded rows need no padding mask. A bidirectional encoder (a BERT value
+    model) is not, and keeps it."""
+    flags = {module.is_causal for module in model.modules() if isinstance(getattr(module, "is_causal", None), bool)}
+    return flags == {True}
+
+
 def response_logits(model, batch: Trajectories) -> torch.Tensor:
     """Logits (B, L, V) that predict each response token."""
     return model.get_output_embeddings()(response_hidden(model, batch))
