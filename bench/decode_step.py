@@ -12,7 +12,9 @@ of a Qwen2.5 shape, bf16, built straight on the device: no checkpoint).
   bytes at the card's bandwidth. ``--kernel-setting ATTENTION_SPLITS=2`` (any integer constant of
   ``kfrl.engines.kernels``, repeatable) sets a constant before any part runs.
 - ``gemm``: each projection alone over every layer at 256 rows, ``F.linear`` (what the step runs) against
-  ``torch.mm`` on transposed copies of the weights, with the bytes and FLOPs bounds.
+  ``torch.mm`` on transposed copies of the weights and against ``kernels.split_k_linear`` in 2 and 4 shares
+  of the input features (float32 partials; ``kernels.DOWN_SPLITS`` uses it for the down projection), with
+  the bytes and FLOPs bounds.
 - ``rollout``: ``TorchRollout.generate_responses`` on 64 prompts x 4 samples, 133 + 256 tokens, no
   EOS (every sequence runs 256 tokens): tokens per second of the second call, the first call's seconds,
   and the engine's stats. Run it once per source tree (e.g. PYTHONPATH of an older checkout) to
@@ -240,6 +242,8 @@ def part_gemm(decoder, device: str) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from kfrl.engines.kernels import split_k_linear
+
     blocks = decoder.blocks
     projections = {"qkv": [b.qkv_weight for b in blocks], "o": [b.o_weight for b in blocks],
                    "gate_up": [b.gate_up_weight for b in blocks], "down": [b.down_weight for b in blocks],
@@ -257,6 +261,10 @@ def part_gemm(decoder, device: str) -> dict:
                                  / len(weights) * 1e6, 2)
         row["mm_transposed_us"] = round(graph_time(lambda: [torch.mm(x, w, out=y) for w in transposed], repeats=2)
                                         / len(weights) * 1e6, 2)
+        for splits in (2, 4):  # kernels.split_k_linear: float32 partials over shares of the input features
+            if in_features % splits == 0:
+                row[f"split{splits}_us"] = round(graph_time(lambda: [split_k_linear(x, w, splits) for w in weights],
+                                                            repeats=2) / len(weights) * 1e6, 2)
         result[name] = row
     return result
 
@@ -297,13 +305,9 @@ def main() -> None:
 
     import torch
 
-    from kfrl.engines import kernels
+    from gpu_iteration import apply_kernel_settings
 
-    for setting in args.kernel_setting:
-        name, value = setting.split("=")
-        if not hasattr(kernels, name):
-            raise SystemExit(f"kfrl.engines.kernels has no {name}")
-        setattr(kernels, name, int(value))
+    apply_kernel_settings(args.kernel_setting)
 
     global DEVICE
     DEVICE = args.device

@@ -178,6 +178,44 @@ def wall_summary(walls: list[float]) -> dict:
             "worst_over_median": round(max(walls) / median, 2) if median > 0 else None}
 
 
+def apply_kernel_settings(settings: list[str]) -> None:
+    """Set integer constants of ``kfrl.engines.kernels`` from NAME=VALUE strings (e.g. DOWN_SPLITS=2)."""
+    from kfrl.engines import kernels
+
+    for setting in settings:
+        name, value = setting.split("=")
+        if not hasattr(kernels, name):
+            raise SystemExit(f"kfrl.engines.kernels has no {name}")
+        setattr(kernels, name, int(value))
+
+
+def gpu_kernel_profile(fn, top: int = 25):
+    """(fn(), profile): ``fn`` run under torch.profiler; its wall seconds, the sum of its GPU kernels' times
+    (the GPU's busy time where kernels do not overlap: what the wall time would be with no gaps), their
+    count, and the ``top`` kernels by total time (name, ms, calls)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+
+    def device_us(event) -> float:
+        return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
+
+    kernels.sort(key=device_us, reverse=True)
+    busy = sum(device_us(e) for e in kernels) / 1e6
+    return result, {"wall_s": round(wall, 3), "kernel_sum_s": round(busy, 3), "busy_fraction": round(busy / wall, 3),
+                    "kernel_calls": sum(e.count for e in kernels),
+                    "top": [{"name": e.key[:110], "ms": round(device_us(e) / 1e3, 2), "calls": e.count}
+                            for e in kernels[:top]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
@@ -197,6 +235,11 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None, help="a ready config to run instead of the issue shape")
     parser.add_argument("--profile-stage", default="",
                         help="stages (comma-separated) to run under cProfile at iteration 3 (top functions go in the JSON)")
+    parser.add_argument("--torch-profile-stage", default="",
+                        help="stages (comma-separated) to run under torch.profiler at iteration 3: the sum of their "
+                             "GPU kernels' times against the stage's wall time, and the top kernels, go in the JSON")
+    parser.add_argument("--kernel-setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="set an integer constant of kfrl.engines.kernels (e.g. DOWN_SPLITS=2) first")
     parser.add_argument("--keep-weights", type=int, default=0,
                         help="delete the policy weights of iterations older than the newest K as the run goes "
                              "(0: keep all); for shapes whose 20 iterations of weights fill the disk")
@@ -225,6 +268,7 @@ def main() -> None:
         for name in ("max_memory_allocated", "memory_allocated", "memory_reserved"):
             setattr(torch.cuda, name, lambda *a, **k: 0)
         torch.cuda.get_device_name = lambda *a, **k: "cpu"
+    apply_kernel_settings(args.kernel_setting)
     if args.cudnn_attention:
         from kfrl.engines import inference
 
@@ -295,6 +339,9 @@ def main() -> None:
                 pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
                 results.setdefault("profiles", {})[f"{stage}@{iteration}"] = text.getvalue()[-16000:]
+            elif stage in args.torch_profile_stage.split(",") and iteration == min(3, args.iterations):
+                result, kernels = gpu_kernel_profile(lambda: run_stage(stage, run.uri, iteration))
+                results.setdefault("kernel_profiles", {})[f"{stage}@{iteration}"] = kernels
             else:
                 result = run_stage(stage, run.uri, iteration)
             if args.per_task:

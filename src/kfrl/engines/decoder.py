@@ -426,6 +426,10 @@ class Decoder:
             delta = project(attn, block.o_weight, block.o_bias, block.o_lora)
             x, h = kernels.add_rms_norm(x, delta, block.post_norm, eps)
             act = kernels.silu_mul(project(h, block.gate_up_weight, None, block.gate_up_lora))
-            delta = project(act, block.down_weight, None, block.down_lora)
+            splits = kernels.DOWN_SPLITS
+            if splits > 1 and block.down_lora is None and act.shape[-1] % splits == 0:
+                delta = kernels.split_k_linear(act, block.down_weight, splits)
+            else:
+                delta = project(act, block.down_weight, None, block.down_lora)
         _, h = kernels.add_rms_norm(x, delta, self.norm, eps)
         return F.linear(h, self.lm_head)
