@@ -159,8 +159,10 @@ ATTENTION_SPLITS = 1
 # The decode step's down projection (256 rows x intermediate -> hidden) leaves cuBLAS too few output tiles
 # to fill the GPU (a 1.5B step: 96 tiles of 64 x 64 for 132 SMs, each reading 8,960 columns); with S > 1 it
 # runs as S batched GEMMs over shares of the intermediate (``split_k_linear``) whose float32 partials the
-# next ``add_rms_norm`` sums, so no launch is added.
+# next ``add_rms_norm`` sums, so no launch is added. ``O_SPLITS``: the same for the attention's output
+# projection, whose sum goes to the post-attention norm.
 DOWN_SPLITS = 1
+O_SPLITS = 1
 
 _split_counters: dict = {}
 
