@@ -11,8 +11,12 @@ TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
 
 .PHONY: demo demo-tools test test-portability test-all install compile clean images
 
-$(STAMP): pyproject.toml constraints.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# The venv itself, before anything installs into it: `make -j2` runs the two installs below side by
+# side, and two `venv` creations of the same folder at once fail ("File exists").
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null && echo "keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
 		|| $(PIP) install -q "$(TORCH_SPEC)"
@@ -31,7 +35,7 @@ demo-tools: $(STAMP)
 # checkov (the Terraform security scan of tests/test_terraform.py) lives in its own venv: its pins
 # (boto3, networkx, packaging, ...) conflict with constraints.txt.
 CHECKOV := $(VENV)/checkov/bin/checkov
-$(CHECKOV): infra/terraform/requirements-checkov.txt
+$(CHECKOV): infra/terraform/requirements-checkov.txt | $(PY)
 	@test -x $(VENV)/checkov/bin/python || $(PYTHON) -m venv $(VENV)/checkov
 	$(VENV)/checkov/bin/python -m pip install -q -r infra/terraform/requirements-checkov.txt
 	@touch $(CHECKOV)
