@@ -12,9 +12,8 @@ of a Qwen2.5 shape, bf16, built straight on the device: no checkpoint).
   bytes at the card's bandwidth. ``--kernel-setting ATTENTION_SPLITS=2`` (any integer constant of
   ``kfrl.engines.kernels``, repeatable) sets a constant before any part runs.
 - ``gemm``: each projection alone over every layer at 256 rows, ``F.linear`` (what the step runs) against
-  ``torch.mm`` on transposed copies of the weights and against ``kernels.split_k_linear`` in 2 and 4 shares
-  of the input features (float32 partials; ``kernels.DOWN_SPLITS`` uses it for the down projection), with
-  the bytes and FLOPs bounds.
+  ``torch.mm`` on transposed copies of the weights and against split-K batched GEMMs in 2 and 4 shares of
+  the input features (float32 partials, their sum not included), with the bytes and FLOPs bounds.
 - ``rollout``: ``TorchRollout.generate_responses`` on 64 prompts x 4 samples, 133 + 256 tokens, no
   EOS (every sequence runs 256 tokens): tokens per second of the second call, the first call's seconds,
   and the engine's stats. Run it once per source tree (e.g. PYTHONPATH of an older checkout) to
@@ -242,7 +241,13 @@ def part_gemm(decoder, device: str) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kfrl.engines.kernels import split_k_linear
+    def split_k_linear(x, weight, splits: int):
+        """x @ weight.T as ``splits`` float32 partial products over shares of the input features, one
+        batched GEMM over views of x and weight (what a split-K projection would cost before its sum)."""
+        rows, k = x.shape
+        share = k // splits
+        return torch.bmm(x.view(rows, splits, share).transpose(0, 1),
+                         weight.view(weight.shape[0], splits, share).permute(1, 2, 0), out_dtype=torch.float32)
 
     blocks = decoder.blocks
     projections = {"qkv": [b.qkv_weight for b in blocks], "o": [b.o_weight for b in blocks],

@@ -112,3 +112,46 @@ def test_tokenizer_files_linked_from_one_copy_equal_the_written_ones(tmp_path, t
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(tmp_path / "linked2").encode("1+2=") == tokenizer.encode("1+2=")
+
+
+def _byte_level_bpe():
+    """A byte-level BPE tokenizer (as Qwen's and Llama 3's are) with chat special tokens, trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    corpus = ["The answer is 42.", "Ünïcödé café — naïve 東京 ✓", "x = 3 + 4\n#### 7", "  spaced   out  "] * 20
+    core.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("which", ["builtin", "byte-level-bpe"])
+def test_decode_batch_gives_batch_decode_s_strings(tiny_model_dir, which):
+    from kfrl.models.hf_io import decode_batch, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir) if which == "builtin" else _byte_level_bpe()
+    texts = ["The answer is 42.", "Ünïcödé café — naïve 東京 ✓", "x = 3 + 4\n#### 7", "  spaced   out  ", ""]
+    sequences = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    sequences += [s + [tokenizer.eos_token_id] for s in sequences]  # a response that ends in EOS
+    sequences.append(sequences[1][:3])  # a multi-byte character cut in the middle
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    sequences.append([special] + sequences[0])
+    for skip in (True, False):
+        expected = tokenizer.batch_decode(sequences, skip_special_tokens=skip)
+        calls = []
+        tokenizer.batch_decode = lambda *a, **k: calls.append(1)  # the straight path never calls it
+        assert decode_batch(tokenizer, sequences, skip_special_tokens=skip) == expected
+        assert not calls
+        del tokenizer.batch_decode
+    # Clean-up of tokenization spaces (a WordPiece habit) is left to transformers.
+    tokenizer.clean_up_tokenization_spaces = True
+    expected = tokenizer.batch_decode(sequences, skip_special_tokens=True)
+    through = type(tokenizer).batch_decode
+    tokenizer.batch_decode = lambda *a, **k: calls.append(1) or through(tokenizer, *a, **k)
+    assert decode_batch(tokenizer, sequences, skip_special_tokens=True) == expected
+    assert calls == [1]

@@ -134,15 +134,6 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     return y
 
 
-def residual_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None,
-                   splits: int) -> torch.Tensor:
-    """A projection whose output is added to the residual stream by the next ``kernels.add_rms_norm``:
-    with ``splits`` > 1 (and no bias or adapter), its split-K partial products, which that norm sums."""
-    if splits > 1 and bias is None and low_rank is None and x.shape[-1] % splits == 0:
-        return kernels.split_k_linear(x, weight, splits)
-    return project(x, weight, bias, low_rank)
-
-
 def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
     """One tensor over ``parts`` (stacked along dim 0) when they already lie back to back in one
     memory block, as a view (nothing copied); None otherwise."""
@@ -432,9 +423,9 @@ class Decoder:
             attn = kernels.rope_attention(qkv, positions, cos_table, sin_table, block.q_norm, block.k_norm, eps,
                                           cache[layer, 0, :b], cache[layer, 1, :b], column, attn_bias,
                                           s.n_heads, s.n_kv_heads, s.head_dim)
-            delta = residual_delta(attn, block.o_weight, block.o_bias, block.o_lora, kernels.O_SPLITS)
+            delta = project(attn, block.o_weight, block.o_bias, block.o_lora)
             x, h = kernels.add_rms_norm(x, delta, block.post_norm, eps)
             act = kernels.silu_mul(project(h, block.gate_up_weight, None, block.gate_up_lora))
-            delta = residual_delta(act, block.down_weight, None, block.down_lora, kernels.DOWN_SPLITS)
+            delta = project(act, block.down_weight, None, block.down_lora)
         _, h = kernels.add_rms_norm(x, delta, self.norm, eps)
         return F.linear(h, self.lm_head)

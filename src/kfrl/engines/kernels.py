@@ -52,23 +52,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 def add_rms_norm_ref(x, delta, weight, eps):
     if delta is not None:
-        # (splits, b, hidden): the float32 partial products of a split-K projection, summed before the add
-        x = (x.float() + delta.float().sum(0)).to(x.dtype) if delta.dim() == x.dim() + 1 else x + delta
+        x = x + delta
     return x, rms_norm_ref(x, weight, eps)
-
-
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
-    """``F.linear(x, weight)`` for x (b, K), weight (N, K) as ``splits`` float32 partial products (splits, b, N),
-    one per equal share of K, in one batched GEMM over views of x and weight (nothing copied); their sum is
-    the product. ``add_rms_norm`` takes them as its delta."""
-    rows, k = x.shape
-    share = k // splits
-    xs = x.view(rows, splits, share).transpose(0, 1)
-    ws = weight.view(weight.shape[0], splits, share).permute(1, 2, 0)
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(xs, ws, out_dtype=torch.float32)
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    return torch.bmm(xs.to(dtype), ws.to(dtype))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,13 +141,6 @@ ATTENTION_STAGES = 2
 # pair leaves a 256-sequence batch of a 2-KV-head model at 512 programs, each reading its columns
 # serially; more split the read and the last to finish combines the partial softmaxes.
 ATTENTION_SPLITS = 1
-# The decode step's down projection (256 rows x intermediate -> hidden) leaves cuBLAS too few output tiles
-# to fill the GPU (a 1.5B step: 96 tiles of 64 x 64 for 132 SMs, each reading 8,960 columns); with S > 1 it
-# runs as S batched GEMMs over shares of the intermediate (``split_k_linear``) whose float32 partials the
-# next ``add_rms_norm`` sums, so no launch is added. ``O_SPLITS``: the same for the attention's output
-# projection, whose sum goes to the post-attention norm.
-DOWN_SPLITS = 1
-O_SPLITS = 1
 
 _split_counters: dict = {}
 
@@ -177,16 +155,14 @@ def _arrival_counters(device, count: int) -> torch.Tensor:
     return counters
 
 def add_rms_norm(x, delta, weight, eps):
-    """(x + delta, rms_norm(x + delta) * weight) for x (b, hidden); delta None = no residual add, or
-    (b, hidden), or (splits, b, hidden) partial products to sum first (``split_k_linear``). The Triton
-    path updates x in place."""
+    """(x + delta, rms_norm(x + delta) * weight) for x (b, hidden); delta None = no residual add.
+    The Triton path updates x in place."""
     if not triton_enabled(x):
         return add_rms_norm_ref(x, delta, weight, eps)
     rows, hidden = x.shape
     out = torch.empty_like(x)
-    parts = 0 if delta is None else (delta.shape[0] if delta.dim() == 3 else 1)
     _rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, out, hidden, eps,
-                              HAS_DELTA=delta is not None, PARTS=max(1, parts), BLOCK=triton.next_power_of_2(hidden))
+                              HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(hidden))
     return x, out
 
 
@@ -262,20 +238,14 @@ def sample_and_record(logits, *, temperature: float, greedy: bool, seed: torch.T
 if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr,
-                         PARTS: tl.constexpr, BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
         if HAS_DELTA:
-            if PARTS == 1:
-                d = tl.load(delta_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            else:  # a split-K product's partials (PARTS, rows, n_cols), summed as the reference sums them
-                rows = tl.num_programs(0)
-                d = tl.load(delta_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-                for part in tl.static_range(1, PARTS):
-                    d += tl.load(delta_ptr + (part * rows + row) * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)
+            d = tl.load(delta_ptr + row * n_cols + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(x_ptr + row * n_cols + cols, x, mask=mask)
         xf = x.to(tl.float32)
         variance = tl.sum(xf * xf, axis=0) / n_cols

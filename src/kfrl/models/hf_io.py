@@ -83,6 +83,25 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(_require_hf_dir(path))
 
 
+def decode_batch(tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], *,
+                 skip_special_tokens: bool) -> list[str]:
+    """``tokenizer.batch_decode(sequences, skip_special_tokens=...)``. A fast tokenizer that neither cleans up
+    tokenization spaces nor overrides decoding gives the same strings from its Rust backend's
+    ``decode_batch`` (all sequences in one call, across cores), without transformers' per-sequence calls and
+    type checks: the score stage decodes every response of an iteration (256 x 256 tokens: 35 ms through
+    ``batch_decode`` on this project's 2-core machine, 25 ms straight; on a GPU host's H100 run, 71 ms of
+    the 1.5B score stage's 105 ms under cProfile)."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    straight = (isinstance(tokenizer, PreTrainedTokenizerFast) and not tokenizer.clean_up_tokenization_spaces
+                and cls._decode is PreTrainedTokenizerFast._decode and cls.decode is PreTrainedTokenizerBase.decode
+                and cls.batch_decode is PreTrainedTokenizerBase.batch_decode)
+    if straight:
+        return tokenizer.backend_tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+    return tokenizer.batch_decode(sequences, skip_special_tokens=skip_special_tokens)
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> PreTrainedModel:
     """Load a causal LM from a local HF directory onto `device` (dtype as saved when None)."""
     path = _require_hf_dir(path)

@@ -137,7 +137,9 @@ class Rewards:
               num_turns: list[int] | None = None) -> list[ScoredResponse]:
         """One ScoredResponse per response; ``raw_prompts`` are the prompts' chat messages as JSON;
         ``sample_ids`` name the samples in errors; ``num_turns``: each conversation's, multi-turn runs."""
-        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        from kfrl.models.hf_io import decode_batch
+
+        texts = decode_batch(self.tokenizer, response_ids, skip_special_tokens=True)
         model_scores = None
         if self.reward_model is not None:
             from kfrl.engines.reward_model import reward_model_scores
