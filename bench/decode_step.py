@@ -266,7 +266,7 @@ def part_gemm(decoder, device: str) -> dict:
                                  / len(weights) * 1e6, 2)
         row["mm_transposed_us"] = round(graph_time(lambda: [torch.mm(x, w, out=y) for w in transposed], repeats=2)
                                         / len(weights) * 1e6, 2)
-        for splits in (2, 4):  # kernels.split_k_linear: float32 partials over shares of the input features
+        for splits in (2, 4):  # split-K: float32 partials over shares of the input features
             if in_features % splits == 0:
                 row[f"split{splits}_us"] = round(graph_time(lambda: [split_k_linear(x, w, splits) for w in weights],
                                                             repeats=2) / len(weights) * 1e6, 2)

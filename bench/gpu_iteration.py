@@ -179,7 +179,7 @@ def wall_summary(walls: list[float]) -> dict:
 
 
 def apply_kernel_settings(settings: list[str]) -> None:
-    """Set integer constants of ``kfrl.engines.kernels`` from NAME=VALUE strings (e.g. DOWN_SPLITS=2)."""
+    """Set integer constants of ``kfrl.engines.kernels`` from NAME=VALUE strings (e.g. ATTENTION_SPLITS=2)."""
     from kfrl.engines import kernels
 
     for setting in settings:
@@ -239,7 +239,7 @@ def main() -> None:
                         help="stages (comma-separated) to run under torch.profiler at iteration 3: the sum of their "
                              "GPU kernels' times against the stage's wall time, and the top kernels, go in the JSON")
     parser.add_argument("--kernel-setting", action="append", default=[], metavar="NAME=VALUE",
-                        help="set an integer constant of kfrl.engines.kernels (e.g. DOWN_SPLITS=2) first")
+                        help="set an integer constant of kfrl.engines.kernels (e.g. ATTENTION_SPLITS=2) first")
     parser.add_argument("--keep-weights", type=int, default=0,
                         help="delete the policy weights of iterations older than the newest K as the run goes "
                              "(0: keep all); for shapes whose 20 iterations of weights fill the disk")
