@@ -288,7 +288,8 @@ def main() -> None:
             f"model.path={model_dir}", f"store.uri={work / 'store'}", "pipeline.runner=inline",
             f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}",
             f"data.max_response_length={args.response_length}",
-            *(["actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=16", "actor.use_kl_loss=true"]
+            *([f"actor.ppo_mini_batch_size={max(1, args.prompts // 4)}",  # 4 mini-batches (16 of the 64 prompts)
+               f"actor.ppo_micro_batch_size_per_gpu={max(1, args.prompts // 4)}", "actor.use_kl_loss=true"]
               if args.workload == "full" else
               [f"actor.ppo_mini_batch_size={args.prompts}", "actor.ppo_micro_batch_size_per_gpu=32",
                "actor.use_kl_loss=false"]),
