@@ -188,9 +188,25 @@ def part_profile(decoder, device: str) -> dict:
             "kernels": [{"name": n, "us_per_step": round(t, 2), "count_per_step": c} for n, t, c in by_name[:30]]}
 
 
+# The launch configurations part_attention sweeps (overridden with --attention-grid).
+ATTENTION_GRID = {"block_n": (32, 64), "warps": (4,), "stages": (2, 3), "splits": (1, 2, 4)}
+
+
+def parse_grid(text: str) -> dict:
+    """``"block_n=64,128;warps=2,4"`` -> ATTENTION_GRID with those axes replaced."""
+    grid = dict(ATTENTION_GRID)
+    for axis in filter(None, text.split(";")):
+        name, values = axis.split("=")
+        if name not in grid:
+            raise SystemExit(f"--attention-grid: unknown axis {name!r} (axes: {', '.join(grid)})")
+        grid[name] = tuple(int(v) for v in values.split(","))
+    return grid
+
+
 def part_attention(decoder, device: str) -> dict:
     """``rope_attention`` over every layer, for each launch configuration (columns per block, warps,
-    pipeline stages, splits of the columns), set through the module's constants as a rollout sets them."""
+    pipeline stages, splits of the columns: ``ATTENTION_GRID``), set through the module's constants as a
+    rollout sets them."""
     import torch
 
     from kfrl.engines import kernels
@@ -212,10 +228,10 @@ def part_attention(decoder, device: str) -> dict:
 
     results = []
     try:
-        for block_n in (32, 64):
-            for warps in (4,):
-                for stages in (2, 3):
-                    for splits in (1, 2, 4):
+        for block_n in ATTENTION_GRID["block_n"]:
+            for warps in ATTENTION_GRID["warps"]:
+                for stages in ATTENTION_GRID["stages"]:
+                    for splits in ATTENTION_GRID["splits"]:
                         config = (block_n, warps, stages, splits)
                         for name, value in zip(settings, config):
                             setattr(kernels, name, value)
@@ -228,7 +244,7 @@ def part_attention(decoder, device: str) -> dict:
     finally:
         for name, value in zip(settings, default):
             setattr(kernels, name, value)
-    chosen = next(r for r in results if (r["block_n"], r["warps"], r["stages"], r["splits"]) == default)
+    chosen = next((r for r in results if (r["block_n"], r["warps"], r["stages"], r["splits"]) == default), None)
     return {"per_layer_bytes": kv_bytes, "bound_us": round(kv_bytes / bandwidth(device) * 1e6, 2),
             "best": min((r for r in results if "fused_us" in r), key=lambda r: r["fused_us"]), "default": chosen,
             "all": results}
@@ -306,7 +322,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--kernel-setting", action="append", default=[], metavar="NAME=VALUE",
                         help="set an integer constant of kfrl.engines.kernels (e.g. ATTENTION_SPLITS=2) first")
+    parser.add_argument("--attention-grid", default="", metavar="AXIS=V,V;...",
+                        help="the attention part's sweep, axes block_n, warps, stages, splits "
+                             "(e.g. 'block_n=64,128;warps=2,4,8'); axes not named keep their default values")
     args = parser.parse_args()
+    ATTENTION_GRID.update(parse_grid(args.attention_grid))
 
     import torch
 

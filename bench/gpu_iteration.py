@@ -210,10 +210,51 @@ def gpu_kernel_profile(fn, top: int = 25):
 
     kernels.sort(key=device_us, reverse=True)
     busy = sum(device_us(e) for e in kernels) / 1e6
+    # The host side of the same stage: time spent inside CUDA runtime calls (launches, copies, waits).
+    # A large share in synchronising calls means the host waits for the GPU; a small one with a low
+    # busy fraction means the host's own work (Python, dispatch) is what the GPU waits for.
+    runtime = sorted((e for e in prof.key_averages() if e.key.startswith(("cuda", "cu")) and
+                      getattr(e, "device_type", None) != DeviceType.CUDA),
+                     key=lambda e: e.self_cpu_time_total, reverse=True)
     return result, {"wall_s": round(wall, 3), "kernel_sum_s": round(busy, 3), "busy_fraction": round(busy / wall, 3),
                     "kernel_calls": sum(e.count for e in kernels),
                     "top": [{"name": e.key[:110], "ms": round(device_us(e) / 1e3, 2), "calls": e.count}
-                            for e in kernels[:top]]}
+                            for e in kernels[:top]],
+                    "host_runtime_calls": [{"name": e.key, "ms": round(e.self_cpu_time_total / 1e3, 2),
+                                            "calls": e.count} for e in runtime[:8]]}
+
+
+def synchronizing_sites(fn, top: int = 15):
+    """(fn(), sites): ``fn`` run with CUDA's sync debug mode on, and the Python lines (the innermost three
+    frames of kfrl, transformers, liger or this bench) whose operations made the host wait for the GPU,
+    with their counts: what stalls the launch queue inside a stage."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    counts: collections.Counter = collections.Counter()
+
+    def tally(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if any(part in f.filename for part in ("/kfrl/", "/transformers/", "/liger_kernel/", "/bench/"))]
+        counts[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-3:]))] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = tally
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return result, {"synchronizing_calls": sum(counts.values()),
+                    "sites": [{"where": where, "calls": n} for where, n in counts.most_common(top)]}
 
 
 def main() -> None:
@@ -234,10 +275,18 @@ def main() -> None:
                         help="forget loaded models and the training copy after every stage (each stage loads from the store)")
     parser.add_argument("--config", type=Path, default=None, help="a ready config to run instead of the issue shape")
     parser.add_argument("--profile-stage", default="",
-                        help="stages (comma-separated) to run under cProfile at iteration 3 (top functions go in the JSON)")
+                        help="stages (comma-separated) to run under cProfile at --profile-iteration (top functions go "
+                             "in the JSON)")
+    parser.add_argument("--profile-iteration", type=int, default=3,
+                        help="the iteration --profile-stage and --torch-profile-stage look at (--sync-sites-stage: "
+                             "the one after)")
     parser.add_argument("--torch-profile-stage", default="",
-                        help="stages (comma-separated) to run under torch.profiler at iteration 3: the sum of their "
-                             "GPU kernels' times against the stage's wall time, and the top kernels, go in the JSON")
+                        help="stages (comma-separated) to run under torch.profiler at --profile-iteration: the sum "
+                             "of their GPU kernels' times against the stage's wall time, the top kernels and the host's "
+                             "CUDA runtime calls go in the JSON")
+    parser.add_argument("--sync-sites-stage", default="",
+                        help="stages (comma-separated) to run with CUDA's sync debug mode after --profile-iteration: "
+                             "the Python lines whose operations made the host wait for the GPU, counted, go in the JSON")
     parser.add_argument("--kernel-setting", action="append", default=[], metavar="NAME=VALUE",
                         help="set an integer constant of kfrl.engines.kernels (e.g. ATTENTION_SPLITS=2) first")
     parser.add_argument("--keep-weights", type=int, default=0,
@@ -329,7 +378,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            if stage in args.profile_stage.split(",") and iteration == min(3, args.iterations):
+            if stage in args.profile_stage.split(",") and iteration == min(args.profile_iteration, args.iterations):
                 import cProfile
                 import io
                 import pstats
@@ -340,9 +389,14 @@ def main() -> None:
                 pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
                 results.setdefault("profiles", {})[f"{stage}@{iteration}"] = text.getvalue()[-16000:]
-            elif stage in args.torch_profile_stage.split(",") and iteration == min(3, args.iterations):
+            elif (stage in args.torch_profile_stage.split(",")
+                  and iteration == min(args.profile_iteration, args.iterations)):
                 result, kernels = gpu_kernel_profile(lambda: run_stage(stage, run.uri, iteration))
                 results.setdefault("kernel_profiles", {})[f"{stage}@{iteration}"] = kernels
+            elif stage in args.sync_sites_stage.split(",") and iteration == min(args.profile_iteration + 1,
+                                                                                args.iterations):
+                result, sites = synchronizing_sites(lambda: run_stage(stage, run.uri, iteration))
+                results.setdefault("sync_sites", {})[f"{stage}@{iteration}"] = sites
             else:
                 result = run_stage(stage, run.uri, iteration)
             if args.per_task:

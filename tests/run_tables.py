@@ -22,9 +22,11 @@ def committed_tables(run: Run, iterations) -> dict[tuple[int, str, str], object]
 
 def forget_process_state() -> None:
     """What a new process starts with: no training copy, no loaded models, no writes in flight."""
+    from kfrl.models import hf_io
     from kfrl.stages import context, update
 
     update.drain()
+    hf_io._TOKENIZER_FILES.clear()
     update._RESIDENT_TRAINERS.clear()
     context._MODEL_CACHE.clear()
     context._MODEL_SLOTS.clear()

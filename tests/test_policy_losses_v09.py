@@ -574,7 +574,7 @@ def test_each_new_mode_trains_end_to_end_and_its_stored_loss_is_recomputable(tmp
                                 ppo_kl_coef=actor.ppo_kl_coef, dro_beta=actor.dro_beta, generator=generator)
         losses.append(float(loss))
         for key, value in stats.items():
-            metrics.setdefault(key, []).append(value)
+            metrics.setdefault(key, []).append(float(value))
     assert stored["actor/pg_loss"] == pytest.approx(sum(losses) / len(losses), abs=1e-5)
     for key, values in metrics.items():
         assert stored[key] == pytest.approx(sum(values) / len(values), abs=1e-5), key

@@ -225,7 +225,13 @@ def test_non_finite_log_probs_stop_the_stage_naming_column_and_sample():
         make_table("score", {"sample_id": ["a"], "score": [math.inf], "acc": [1.0], "reward_extra": ["{}"]})
 
 
-def test_a_non_finite_loss_stops_the_update_naming_the_samples():
+@pytest.mark.parametrize("mini_batch_size, poisoned_row, named, where", [
+    (2, 1, "'s0', 's1'", "mini-batch 1"),
+    # The check runs once per mini-batch, after its passes: it still names the micro-batch that failed.
+    (4, 3, "'s2', 's3'", "mini-batch 1"),
+    (2, 2, "'s2', 's3'", "mini-batch 2"),
+])
+def test_a_non_finite_loss_stops_the_update_naming_the_samples(mini_batch_size, poisoned_row, named, where):
     import torch
 
     from kfrl.engines.minibatch import NonFiniteLossError, optimize
@@ -233,15 +239,20 @@ def test_a_non_finite_loss_stops_the_update_naming_the_samples():
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = model.weight.detach().clone()
-    poisoned = torch.tensor([[1.0, 2.0], [math.nan, 1.0], [0.0, 1.0], [1.0, 1.0]])
+    inputs = torch.tensor([[1.0, 2.0], [0.5, 1.0], [0.0, 1.0], [1.0, 1.0]])
+    inputs[poisoned_row, 0] = math.nan
 
     def micro_step(rows):
-        return model(poisoned[rows]).mean()
+        return model(inputs[rows]).mean()
 
-    with pytest.raises(NonFiniteLossError, match=r"actor loss is nan on the micro-batch of samples \['s0', 's1'\]"):
-        optimize(model, optimizer, 4, micro_step, mini_batch_size=2, micro_batch_size=2, epochs=1, shuffle=False,
-                 seed=0, grad_clip=1.0, prefix="actor", sample_ids=["s0", "s1", "s2", "s3"])
-    assert torch.equal(model.weight, before)
+    with pytest.raises(NonFiniteLossError, match=rf"actor loss is nan on the micro-batch of samples \[{named}\] "
+                                                 rf"\(epoch 1, {where}\)"):
+        optimize(model, optimizer, 4, micro_step, mini_batch_size=mini_batch_size, micro_batch_size=2, epochs=1,
+                 shuffle=False, seed=0, grad_clip=1.0, prefix="actor", sample_ids=["s0", "s1", "s2", "s3"])
+    if where == "mini-batch 1":  # no step was taken before the failing mini-batch
+        assert torch.equal(model.weight, before)
+    else:  # the first mini-batch's step was, and the failing one's was not
+        assert not torch.equal(model.weight, before) and torch.isfinite(model.weight).all()
 
 
 # --- 5./6. resumption that cannot go on as asked -----------------------------------------------------
@@ -306,13 +317,17 @@ def test_tracking_credentials_never_reach_the_store_or_mlflow_params(tmp_path, m
 
 # --- 9. caches hold the current checkpoints only -----------------------------------------------------
 
-def test_local_store_checkpoints_are_read_in_place_and_models_do_not_pile_up(tmp_path):
+def test_local_store_checkpoints_are_read_in_place_and_models_do_not_pile_up(tmp_path, monkeypatch):
     from run_tables import forget_process_state
 
+    from kfrl.models import hf_io
     from kfrl.stages import context
     from kfrl.stages.context import StageContext
 
     forget_process_state()  # what earlier tests in this process loaded does not count
+    loaded_from = []
+    read_folder = hf_io.load_tokenizer
+    monkeypatch.setattr(hf_io, "load_tokenizer", lambda path: loaded_from.append(path) or read_folder(path))
     summary = train(tiny_config(tmp_path, "trainer.test_freq=1", "data.val_files=builtin:arith",
                                 "data.builtin_val_size=4"), run_id="c", iterations=3)
     ctx = StageContext.open(summary.run_uri, 3)
@@ -324,6 +339,12 @@ def test_local_store_checkpoints_are_read_in_place_and_models_do_not_pile_up(tmp
     assert len(policies) <= 2, policies
     assert not any(f"iter-00000{i}" in key[1] for key in policies for i in (1, 2))
     assert len(context._TOKENIZER_CACHE) <= 2  # one tokenizer for every checkpoint of the run
+    # Read from disk once, from the initial commit: the later commits carry the tokenizer this process
+    # saved, and the object it saved is used for them.
+    assert len(loaded_from) == 1 and "iter-000000" in str(loaded_from[0]), loaded_from
+    assert len({id(tokenizer) for tokenizer in context._TOKENIZER_CACHE.values()}) == 1
+    newest = ctx.load_tokenizer(manifest)
+    assert newest.decode(newest("12+3=15").input_ids) == "12+3=15"
 
 
 def test_s3_checkpoint_cache_skips_trainer_state_and_keeps_initial_and_newest(tmp_path, s3_bucket, monkeypatch):

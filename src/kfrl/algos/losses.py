@@ -2,8 +2,10 @@
 
 Modes follow veRL 0.9.1's ``core_algos`` registry (one process: no data-parallel global-batch
 normalisation). `policy_loss(mode, old_log_prob, log_prob, advantages, response_mask, ...)`
-returns `(loss, metrics)`: a scalar tensor to backpropagate and a dict of python floats named as
-veRL logs them ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower").
+returns `(loss, metrics)`: a scalar tensor to backpropagate and a dict of detached 0-d tensors named
+as veRL logs them ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"). They stay on the
+loss's device: reading one (``float()``) waits for the GPU, so the update loop reads them all once, at
+its end (``kfrl.engines.minibatch``), instead of stalling every micro-batch before its backward pass.
 All tensors are (bs, L) over response tokens; `log_prob` carries the gradient.
 
 Each mode is a function registered with `@register_policy_loss(name)`; all share the signature
@@ -68,7 +70,7 @@ class PolicyLossParams:
                     loss_scale_factor=self.loss_scale_factor)
 
 
-PolicyLossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
+PolicyLossFn = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor | float]]"]
 POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
 
 
@@ -95,10 +97,15 @@ def _clipped_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> to
 
 def _metrics(pg_clipfrac: torch.Tensor | float, ppo_kl: torch.Tensor, pg_clipfrac_lower: torch.Tensor | float):
     return {
-        "actor/pg_clipfrac": float(pg_clipfrac),
-        "actor/ppo_kl": float(ppo_kl),
-        "actor/pg_clipfrac_lower": float(pg_clipfrac_lower),
+        "actor/pg_clipfrac": _stat(pg_clipfrac),
+        "actor/ppo_kl": _stat(ppo_kl),
+        "actor/pg_clipfrac_lower": _stat(pg_clipfrac_lower),
     }
+
+
+def _stat(value: torch.Tensor | float) -> torch.Tensor | float:
+    """A metric as the losses return it: a detached tensor (read later, all at once) or a python number."""
+    return value.detach() if isinstance(value, torch.Tensor) else float(value)
 
 
 def _weighted(per_token_loss: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
@@ -298,7 +305,7 @@ def clip_cov_policy_loss(old_log_prob, log_prob, advantages, response_mask, *, l
 
     per_token_loss = _weighted(torch.maximum(loss_unclipped, loss_clipped) * keep, rollout_is_weights)
     loss = agg_loss(per_token_loss, response_mask, loss_agg_mode, **params.agg_kwargs)
-    return loss, {"actor/pg_clipfrac": float(clipfrac), "actor/ppo_kl": float(approx_kl)}
+    return loss, {"actor/pg_clipfrac": _stat(clipfrac), "actor/ppo_kl": _stat(approx_kl)}
 
 
 @register_policy_loss("kl_cov")
@@ -331,7 +338,7 @@ def kl_cov_policy_loss(old_log_prob, log_prob, advantages, response_mask, *, los
     per_token_loss = torch.where(penalised, loss_pg + params.ppo_kl_coef * abs_log_ratio, loss_pg)
     per_token_loss = _weighted(per_token_loss, rollout_is_weights)
     loss = agg_loss(per_token_loss, response_mask, loss_agg_mode, **params.agg_kwargs)
-    return loss, {"actor/ppo_kl": float(approx_abs_kl)}
+    return loss, {"actor/ppo_kl": _stat(approx_abs_kl)}
 
 
 @register_policy_loss("geo_mean")
@@ -385,7 +392,7 @@ def dro_policy_loss(old_log_prob, log_prob, advantages, response_mask, *, loss_a
     loss = agg_loss(per_token_loss, response_mask, loss_agg_mode, **params.agg_kwargs)
     with torch.no_grad():
         approx_kl = masked_mean(-log_ratio, response_mask)
-    return loss, {"actor/ppo_kl": float(approx_kl)}
+    return loss, {"actor/ppo_kl": _stat(approx_kl)}
 
 
 @register_policy_loss("cispo")
@@ -493,7 +500,7 @@ def actor_loss(
     kl_loss_type: str = "low_var_kl",
     kl_loss_coef: float = 0.0,
     **policy_loss_knobs,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """veRL's actor objective on one micro-batch: the policy loss, minus ``entropy_coeff`` x the
     aggregated entropy, plus ``kl_loss_coef`` x the aggregated KL to the reference policy (when
     ``ref_log_prob`` is given). All tensors (bs, L). Returns (loss, stats): ``actor/pg_loss``, the
@@ -506,7 +513,7 @@ def actor_loss(
     pg_loss, stats = policy_loss(loss_mode, old_log_prob, log_prob, advantages, response_mask,
                                  loss_agg_mode=loss_agg_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
                                  clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, **policy_loss_knobs)
-    stats = {"actor/pg_loss": float(pg_loss.detach()), **stats}
+    stats = {"actor/pg_loss": _stat(pg_loss), **stats}
     scale = policy_loss_knobs.get("loss_scale_factor")  # the entropy and KL terms share the policy loss's
     loss = pg_loss
     if entropy_coeff != 0:
@@ -517,10 +524,10 @@ def actor_loss(
         kl_loss = agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask, loss_agg_mode,
                            loss_scale_factor=scale)
         loss = loss + kl_loss_coef * kl_loss
-        stats["actor/kl_loss"] = float(kl_loss.detach())
+        stats["actor/kl_loss"] = _stat(kl_loss)
         stats["actor/kl_coef"] = float(kl_loss_coef)
     if entropy is not None:
-        stats["actor/entropy"] = float(agg_loss(entropy.detach(), response_mask, "token-mean"))
+        stats["actor/entropy"] = _stat(agg_loss(entropy.detach(), response_mask, "token-mean"))
     return loss, stats
 
 

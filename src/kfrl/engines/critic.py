@@ -53,9 +53,10 @@ def update_critic(model, optimizer, trajectories: Trajectories, *, mini_batch_si
         vpreds = forward_values(model, batch, autocast_dtype)
         vf_loss, vf_clipfrac = value_loss(vpreds, batch.get("returns"), batch.get("values"), batch.response_mask,
                                           cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode)
-        metrics["critic/vf_loss"].append(float(vf_loss.detach()))
-        metrics["critic/vf_clipfrac"].append(float(vf_clipfrac))
-        metrics["critic/vpred_mean"].append(float(masked_mean(vpreds.detach(), batch.response_mask)))
+        # Tensors: the loop reads them all at its end (kfrl.engines.minibatch.read_tensors).
+        metrics["critic/vf_loss"].append(vf_loss.detach())
+        metrics["critic/vf_clipfrac"].append(vf_clipfrac)
+        metrics["critic/vpred_mean"].append(masked_mean(vpreds.detach(), batch.response_mask))
         return vf_loss
 
     metrics.update(optimize(model, optimizer, len(full), micro_step, mini_batch_size=mini_batch_size,

@@ -346,14 +346,20 @@ if triton is not None:
         share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * share
         hi = tl.minimum(lo + share, length)
+        bias_row = bias_ptr + row * bias_stride
+        # The bias block is read one iteration ahead: a block of it is 2 bytes per thread, too small for
+        # the asynchronous copies that pipeline the K/V blocks, so read in place it stalls every iteration.
+        # (H100, Qwen2.5 shapes: 17.75 against 18.23 µs a layer at 0.5B, 29.99 against 30.36 at 1.5B.)
+        bias_next = tl.load(bias_row + lo + n, mask=lo + n < hi, other=float("-inf"))
         for start in range(lo, hi, BLOCK_N):
             cols = start + n
             c_mask = cols < hi
             at = base + cols[:, None] * col_stride + h[None, :]
             kv_mask = c_mask[:, None] & h_mask[None, :]
+            bias = bias_next.to(tl.float32)
+            bias_next = tl.load(bias_row + cols + BLOCK_N, mask=cols + BLOCK_N < hi, other=float("-inf"))
             c1 = tl.load(k_ptr + at, mask=kv_mask, other=0.0)
             c2 = tl.load(k_ptr + at + half, mask=kv_mask, other=0.0)
-            bias = tl.load(bias_ptr + row * bias_stride + cols, mask=c_mask, other=float("-inf")).to(tl.float32)
             scores = (tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))).to(tl.float32) * scale + bias[None, :]
             new_best = tl.maximum(best, tl.max(scores, axis=1))
             # Rows that have seen only masked columns keep -inf; exp(-inf - -inf) would be NaN.

@@ -65,21 +65,18 @@ def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor]
             else:
                 micro_batches = [mini_rows[mc_start:mc_start + micro_batch_size]
                                  for mc_start in range(0, len(mini_rows), micro_batch_size)]
+            # One copy to the device per mini-batch: a copy from pageable host memory waits for the GPU.
+            micro_batches = list(torch.cat(micro_batches).to(device).split([len(rows) for rows in micro_batches]))
             passes = [(rows, True) for rows in micro_batches] if parallel is None else parallel.passes(micro_batches)
+            losses: list[tuple[torch.Tensor, torch.Tensor]] = []
             for rows, real in passes:
-                rows = rows.to(device)
                 loss = micro_step(rows) if parallel is None else parallel.forward(micro_step, rows)
                 if parallel is not None:
                     parallel.recorded(step_metrics, real)
                     if not real:  # a pass that only keeps this process in step with the others' collectives
                         parallel.backward(loss * 0.0)
                         continue
-                if not torch.isfinite(loss):
-                    names = [sample_ids[i] for i in rows.tolist()] if sample_ids is not None else rows.tolist()
-                    raise NonFiniteLossError(
-                        f"{prefix} loss is {float(loss.detach())} on the micro-batch of samples {names[:8]}"
-                        f"{' ...' if len(names) > 8 else ''} (epoch {_epoch + 1}, mini-batch {mb_start // mini_batch_size + 1}); "
-                        f"the update stopped before writing a checkpoint: lower {prefix}.lr or check its inputs")
+                losses.append((rows, loss.detach()))
                 # The accumulated gradient equals the mini-batch mean whatever the micro-batch size (and
                 # whatever the number of processes: their gradients are summed).
                 weighted = loss * (len(rows) / len(mini_rows))
@@ -87,6 +84,9 @@ def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor]
                     weighted.backward()
                 else:
                     parallel.backward(weighted)
+            # Checked once per mini-batch, before its step: a check per micro-batch would make the host
+            # wait for each forward pass before queuing its backward, leaving the GPU idle meanwhile.
+            check_finite(losses, prefix, sample_ids, f"epoch {_epoch + 1}, mini-batch {mb_start // mini_batch_size + 1}")
             if parallel is None:
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
                 stepped = bool(torch.isfinite(grad_norm))
@@ -101,9 +101,40 @@ def optimize(model, optimizer, n_total: int, micro_step: Callable[[torch.Tensor]
             if progress is not None:
                 progress()
     metrics[f"{prefix}/lr"].append(optimizer.param_groups[0]["lr"])
+    if step_metrics is not None:
+        read_tensors(step_metrics)
     if parallel is not None and step_metrics is not None:
         parallel.merge(step_metrics)
     return metrics
+
+
+def check_finite(losses: Sequence[tuple[torch.Tensor, torch.Tensor]], prefix: str, sample_ids: Sequence | None,
+                 where: str) -> None:
+    """Raise NonFiniteLossError naming the samples of the first micro-batch of ``losses`` ((rows, loss)
+    pairs) whose loss is NaN or infinite; one read from the device for all of them."""
+    if not losses:
+        return
+    finite = torch.isfinite(torch.stack([loss.float() for _rows, loss in losses])).tolist()
+    for (rows, loss), ok in zip(losses, finite):
+        if not ok:
+            names = [sample_ids[i] for i in rows.tolist()] if sample_ids is not None else rows.tolist()
+            raise NonFiniteLossError(
+                f"{prefix} loss is {float(loss)} on the micro-batch of samples {names[:8]}"
+                f"{' ...' if len(names) > 8 else ''} ({where}); "
+                f"the update stopped before writing a checkpoint: lower {prefix}.lr or check its inputs")
+
+
+def read_tensors(metrics: dict[str, list]) -> None:
+    """Replace, in place, the tensors among ``metrics``' values (0-d, as the losses return them) by python
+    floats, with one copy to the host: a copy per value would wait for the GPU once per value."""
+    found = [(key, i, value) for key, values in metrics.items() for i, value in enumerate(values)
+             if isinstance(value, torch.Tensor)]
+    if not found:
+        return
+    device = found[0][2].device
+    host = torch.stack([value.detach().float().reshape(()).to(device) for _key, _i, value in found]).tolist()
+    for (key, i, _value), number in zip(found, host):
+        metrics[key][i] = number
 
 
 def budget_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:

@@ -377,6 +377,18 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, o
 _TOKENIZER_FILES: dict[int, tuple[object, dict[str, bytes], str]] = {}
 
 
+def tokenizer_saved_as(entries: list[dict]) -> PreTrainedTokenizerBase | None:
+    """The tokenizer object this process saved (``save_tokenizer``) as exactly the files that the manifest
+    ``entries`` describe (names, sizes and digests), or None."""
+    from kfrl.store import digest_matches
+
+    for tokenizer, files, _digest in _TOKENIZER_FILES.values():
+        if entries and {entry["name"] for entry in entries} == set(files) and all(
+                digest_matches(entry, files[entry["name"]]) for entry in entries):
+            return tokenizer
+    return None
+
+
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path, *, link_from: Path | None = None) -> None:
     """``tokenizer.save_pretrained(out_dir)``, serialised once per tokenizer object and copied after.
     ``link_from``: a folder on ``out_dir``'s file system where the files are written once (under a

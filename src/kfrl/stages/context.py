@@ -168,15 +168,23 @@ class StageContext:
         return local
 
     def load_tokenizer(self, manifest: Manifest):
-        from kfrl.models.hf_io import load_tokenizer
+        from kfrl.models.hf_io import load_tokenizer, tokenizer_saved_as
 
         quiet_transformers()
         # Tokenizer files are the same in every checkpoint of a run: key by their content.
         files = getattr(manifest, "early_files", None) or manifest.files  # early: a commit still being written
-        key = tuple(sorted((f["name"], entry_digest(f)) for f in files if is_tokenizer_file(f["name"]))) \
+        entries = [f for f in files if is_tokenizer_file(f["name"])]
+        key = tuple(sorted((f["name"], entry_digest(f)) for f in entries)) \
             or (self.store.url(manifest.prefix), manifest.attempt)
-        return _cached_in(_TOKENIZER_CACHE, key, lambda: load_tokenizer(self.checkpoint_dir(manifest, weights=False)),
-                          TOKENIZER_CACHE_SIZE)
+
+        def load():
+            # The first commit after the initial one carries the tokenizer as this process saved it, in other
+            # bytes than the user's files of iteration 0: the object it saved is that tokenizer (0.3 s of
+            # loading a 150k vocabulary saved, once per run, in the rollout after the first update).
+            saved = tokenizer_saved_as(entries)
+            return saved if saved is not None else load_tokenizer(self.checkpoint_dir(manifest, weights=False))
+
+        return _cached_in(_TOKENIZER_CACHE, key, load, TOKENIZER_CACHE_SIZE)
 
     def load_model(self, manifest: Manifest, *, for_training: bool = False, dtype=None):
         """Inference: compute dtype (bf16 on CUDA). Training: ``dtype`` (fp32 master weights by default;
