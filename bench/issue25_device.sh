@@ -6,6 +6,7 @@
 # part mem05 / mem15: 0.5B / 1.5B at TRL's precision, with and without actor.use_liger, against TRL's bf16 run;
 # part liger05 / liger15: only the liger run of mem05 / mem15 and TRL's (when device time is short);
 # part share05 / share15: the liger run with and without model.share_prompt_forward, and TRL's;
+# part compile05 / compile15: the liger run against the compiled blocks (actor.use_torch_compile, liger off), and TRL's;
 # part 15: 1.5B shape (kfrl full / bf16+AdamW8bit+checkpointing / offload, TRL full) and the GPU tests;
 # part 7b: 7B shape, LoRA only (kfrl with and without actor.use_liger, TRL + PEFT); part lean7b: the same with
 # gradient checkpointing on both sides.
@@ -17,7 +18,8 @@ export PYTHONPATH=$PWD/src:$PWD/bench
 python -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v -i warning | tail -2
 cd bench
 model=/tmp/kfrl-bench-model-$part
-case $part in 05|lean|mem05|liger05|share05) shape=0.5b ;; 15|lean15|mem15|liger15|share15) shape=1.5b ;; *) shape=7b ;; esac
+case $part in 05|lean|mem05|liger05|share05|compile05) shape=0.5b ;; 15|lean15|mem15|liger15|share15|compile15) shape=1.5b ;;
+  *) shape=7b ;; esac
 python -c "import sys; from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model'), '$shape')"
 lora="model.lora_rank=64 model.lora_alpha=128 actor.lr=1e-5"
 kfrl() { name=$1; shift; timeout "${KFRL_LIMIT:-240}" python gpu_iteration.py --workload trl --prompt-tokens 133 --shape "$shape" \
@@ -56,6 +58,11 @@ case $part in
     kfrl bf16_liger --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true actor.use_liger=true
     kfrl bf16_liger_share --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true \
       actor.use_liger=true model.share_prompt_forward=true
+    trl full --steps 5 ;;
+  compile05|compile15)  # the update bound by the host's launches at 0.5B (docs/performance.md): compiled blocks
+    kfrl bf16_liger --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true actor.use_liger=true
+    kfrl bf16_compile --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true \
+      actor.use_torch_compile=true
     trl full --steps 5 ;;
   7b)
     # micro-batches of 8 rows on both sides; TRL checkpoints gradients (its default), kfrl does not (with it,
