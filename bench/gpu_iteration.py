@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -187,6 +188,52 @@ def apply_kernel_settings(settings: list[str]) -> None:
         if not hasattr(kernels, name):
             raise SystemExit(f"kfrl.engines.kernels has no {name}")
         setattr(kernels, name, int(value))
+
+
+class StageIO:
+    """Seconds a stage spends in reading its input groups, writing its column group and committing (kfrl's
+    functions for those, wrapped in this process; the rest of a stage's wall time is its own work), so
+    that a stage that is slow in one iteration shows which of the three, or none, it waited in."""
+
+    def __init__(self) -> None:
+        import collections
+
+        self.seconds: dict[str, float] = collections.Counter()
+        self._depth: dict[str, int] = collections.Counter()
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():  # a background commit: not a stage's
+                return original(*args, **kwargs)
+            self._depth[label] += 1
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth[label] -= 1
+                if self._depth[label] == 0:  # the outermost call of a recursive one counts once
+                    self.seconds[label] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        taken = {f"io_{label}_s": round(seconds, 4) for label, seconds in self.seconds.items()}
+        self.seconds.clear()
+        return taken
+
+    @classmethod
+    def installed(cls) -> "StageIO":
+        from kfrl import batch
+        from kfrl.stages.context import StageContext
+        from kfrl.store import Attempt
+
+        io = cls()
+        io.wrap(StageContext, "read_groups", "read")
+        io.wrap(batch, "write_group", "write")
+        io.wrap(Attempt, "commit", "commit")
+        return io
 
 
 def gpu_kernel_profile(fn, top: int = 25):
@@ -371,6 +418,7 @@ def main() -> None:
     # writes (the last trainer state, written at the end of every run) is the run's, reported as drain_s
     # and counted in run_s.
     starts: list[float] = []
+    stage_io = StageIO.installed()
     for iteration in range(1, args.iterations + 1):
         stages = {}
         starts.append(time.perf_counter())
@@ -408,7 +456,7 @@ def main() -> None:
             torch.cuda.synchronize()
             stages[stage] = {"wall_s": round(time.perf_counter() - t0, 3),
                              "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                             "skipped": result.skipped or None}
+                             "skipped": result.skipped or None, **stage_io.take()}
             stages[stage].update({k: round(v, 4) for k, v in result.metrics.items()
                                   if k.startswith(("timing_s/", "response_length/mean", "perf/", "actor/grad_norm",
                                                    "critic/score/mean", "val-core/"))})
