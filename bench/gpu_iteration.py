@@ -419,6 +419,11 @@ def main() -> None:
     # and counted in run_s.
     starts: list[float] = []
     stage_io = StageIO.installed()
+    profiled = min(args.profile_iteration, args.iterations)  # the sync sites: the iteration after it
+
+    def asked(stages_option: str, stage: str, iteration: int, at: int) -> bool:
+        return stage in stages_option.split(",") and iteration == min(at, args.iterations)
+
     for iteration in range(1, args.iterations + 1):
         stages = {}
         starts.append(time.perf_counter())
@@ -426,7 +431,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            if stage in args.profile_stage.split(",") and iteration == min(args.profile_iteration, args.iterations):
+            if asked(args.profile_stage, stage, iteration, profiled):
                 import cProfile
                 import io
                 import pstats
@@ -437,12 +442,10 @@ def main() -> None:
                 pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
                 results.setdefault("profiles", {})[f"{stage}@{iteration}"] = text.getvalue()[-16000:]
-            elif (stage in args.torch_profile_stage.split(",")
-                  and iteration == min(args.profile_iteration, args.iterations)):
+            elif asked(args.torch_profile_stage, stage, iteration, profiled):
                 result, kernels = gpu_kernel_profile(lambda: run_stage(stage, run.uri, iteration))
                 results.setdefault("kernel_profiles", {})[f"{stage}@{iteration}"] = kernels
-            elif stage in args.sync_sites_stage.split(",") and iteration == min(args.profile_iteration + 1,
-                                                                                args.iterations):
+            elif asked(args.sync_sites_stage, stage, iteration, profiled + 1):
                 result, sites = synchronizing_sites(lambda: run_stage(stage, run.uri, iteration))
                 results.setdefault("sync_sites", {})[f"{stage}@{iteration}"] = sites
             else:
