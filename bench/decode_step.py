@@ -8,8 +8,8 @@ of a Qwen2.5 shape, bf16, built straight on the device: no checkpoint).
   against the sum of its kernels' times (torch.profiler), kernels grouped by name; the CPU time of one
   capture (warm-up step + capture + instantiate).
 - ``attention``: the fused rotary + cache write + attention kernel alone over every layer's cache, per
-  launch configuration (columns per block, warps, pipeline stages, splits of the columns), against its
-  bytes at the card's bandwidth. ``--kernel-setting ATTENTION_SPLITS=2`` (any integer constant of
+  launch configuration (columns per block, warps, pipeline stages, splits of the columns; the sweep is
+  ``--attention-grid``'s), against its bytes at the card's bandwidth. ``--kernel-setting ATTENTION_SPLITS=2`` (any integer constant of
   ``kfrl.engines.kernels``, repeatable) sets a constant before any part runs.
 - ``gemm``: each projection alone over every layer at 256 rows, ``F.linear`` (what the step runs) against
   ``torch.mm`` on transposed copies of the weights and against split-K batched GEMMs in 2 and 4 shares of
