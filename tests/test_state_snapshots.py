@@ -189,3 +189,34 @@ def test_snapshots_from_cuda_land_in_page_locked_memory():
     assert torch.equal(host, source.cpu())
     host_memory.release(host)
     assert not host_memory.is_page_locked(host)
+
+
+def test_a_copy_made_beside_the_stages_holds_the_values_at_the_call_in_the_pool_buffers():
+    pool = host_memory.HostBuffers()
+    source = {"w": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(2)}
+    buffers = pool.take()
+    copying = host_memory.on_host_later(source, torch.bfloat16, buffers)
+    source["w"].add_(100.0)  # on the CPU the copy is made at the call
+    copied = copying.result()
+    assert torch.equal(copied["w"], torch.arange(6, dtype=torch.bfloat16).view(2, 3))
+    assert copied["b"].dtype == torch.bfloat16 and len(buffers) == 2
+    assert copied["w"].data_ptr() == buffers[0].data_ptr()  # into the set, reused by the next copy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_copy_from_cuda_runs_beside_the_next_kernels_and_keeps_the_values_at_the_call():
+    big = torch.zeros(64, 2**20, device="cuda", dtype=torch.bfloat16)  # 128 MiB: ~2.5 ms over PCIe
+    small = torch.zeros(16, device="cuda", dtype=torch.bfloat16)  # page-locked too: no copy blocks the host
+    torch.cuda._sleep(50_000_000)  # queued before the copy, with the changes below: the copy waits for them
+    big.add_(1.0)
+    small.add_(2.0)
+    copying = host_memory.on_host_later({"big": big, "small": small}, buffers=[])
+    torch.cuda._sleep(2_000_000_000)  # ~1 s queued after the copy: it must not wait for this
+    copying.wait()
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    big.add_(1.0)
+    copied = copying.result()
+    assert still_running
+    assert bool((copied["big"] == 1.0).all()) and bool((copied["small"] == 2.0).all())
+    assert host_memory.is_page_locked(copied["big"]) and host_memory.is_page_locked(copied["small"])

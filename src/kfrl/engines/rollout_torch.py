@@ -74,6 +74,44 @@ def warmup_stream(device):
     return _WARMUP_STREAMS[device]
 
 
+def stream_parts(rows: int) -> list[tuple[int, int]]:
+    """(first, end) row of each part of a decode step's batch (``kernels.DECODE_STREAMS``), in multiples
+    of 8 rows; one part when the batch is too small to split."""
+    parts = max(1, min(kernels.DECODE_STREAMS, rows // max(1, kernels.DECODE_STREAM_MIN_ROWS)))
+    if parts == 1:
+        return [(0, rows)]
+    size = -(-rows // parts // 8) * 8
+    return [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
+
+
+_DECODE_STREAMS: dict = {}
+
+
+def decode_streams(device, count: int) -> list:
+    """``count`` streams for the parts of a decode step, kept per device (see ``warmup_stream``)."""
+    kept = _DECODE_STREAMS.setdefault(device, [])
+    while len(kept) < count:
+        kept.append(torch.cuda.Stream(device=device))
+    return kept[:count]
+
+
+def capture(graph, pool, stream, run) -> None:
+    """Record ``run()``'s kernels into ``graph`` on ``stream`` (the warm-up's: the cuBLAS workspace it
+    made is the one the graph uses). Unlike ``torch.cuda.graph`` this neither synchronises the device
+    nor empties the allocator's caches: a rollout would otherwise wait for the copy of the last update's
+    weights still running on the copy stream (``kfrl.models.host_memory.on_host_later``), and hand back
+    the memory the next update then allocates again. thread_local: a trainer-state write may be copying
+    on another thread of this process meanwhile."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            run()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 class TorchRollout:
     name = "torch"
 
@@ -188,18 +226,33 @@ class TorchRollout:
         pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         check_every = CHECK_EVERY_GPU if self.use_cuda_graphs else 1
 
-        def step(rows: int) -> None:
-            st.attn_bias[:rows].index_fill_(1, st.column, 0.0)
-            logits = self.decoder.decode(st.tokens[:rows], st.positions[:rows], st.cache, st.column,
-                                         st.attn_bias[:rows])
-            state = dict(finished=st.finished[:rows], sequence=st.sequence[:rows], tokens=st.tokens[:rows],
-                         positions=st.positions[:rows], eos_table=self._eos_table, out_tokens=st.out_tokens,
+        def step_rows(lo: int, hi: int) -> None:
+            rows = slice(lo, hi)
+            logits = self.decoder.decode(st.tokens[rows], st.positions[rows], st.cache[:, :, lo:], st.column,
+                                         st.attn_bias[rows])
+            state = dict(finished=st.finished[rows], sequence=st.sequence[rows], tokens=st.tokens[rows],
+                         positions=st.positions[rows], eos_table=self._eos_table, out_tokens=st.out_tokens,
                          out_logprobs=st.out_logprobs, column=st.column, longest=longest, pad_id=self.pad_id)
             if fused_sampling:
                 kernels.sample_and_record(logits, temperature=params.temperature, greedy=not params.do_sample,
-                                          seed=seed, **state)
+                                          seed=seed, first_slot=lo, **state)
             else:
                 kernels.record_ref(*sample(logits), **state)
+
+        def step(rows: int) -> None:
+            st.attn_bias[:rows].index_fill_(1, st.column, 0.0)
+            bounds = stream_parts(rows) if self.use_cuda_graphs else [(0, rows)]
+            if len(bounds) == 1:
+                step_rows(0, rows)
+            else:  # each part on its own stream, joined before the column moves on
+                main = torch.cuda.current_stream()
+                streams = decode_streams(st.cache.device, len(bounds))
+                for (lo, hi), stream in zip(bounds, streams):
+                    stream.wait_stream(main)
+                    with torch.cuda.stream(stream):
+                        step_rows(lo, hi)
+                for stream in streams:
+                    main.wait_stream(stream)
             st.column += 1
 
         reported: set[int] = set()
@@ -231,14 +284,12 @@ class TorchRollout:
                     step(active)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                # thread_local: a trainer-state write may be copying on another thread of this process.
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    step(active)
+                capture(graph, pool, side, lambda: step(active))
                 graphs[active] = graph
                 self.stats["graphs_captured"] += 1
             self.stats["decode_steps"] += 1
         if graphs:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # not the device: a copy to the host may run beside
 
     def _compact(self, st: _DecodeState, active: int, target: int, batch: int) -> None:
         """Moves the running slots among the first ``active`` to the front; slots up to ``target`` after

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kfrl.models.host_memory import on_host, tensor_identity
+from kfrl.models.host_memory import on_host, on_host_later, tensor_identity
 
 
 def _require_hf_dir(path: str | Path) -> Path:
@@ -335,11 +335,14 @@ def config_files(model: PreTrainedModel, dtype: torch.dtype | None = None) -> di
 
 def host_weights(model: PreTrainedModel, dtype: torch.dtype | None = None,
                  state: dict[str, torch.Tensor] | None = None, *, copy: bool = False,
-                 buffers: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                 buffers: list[torch.Tensor] | None = None, later: bool = False):
     """The tensors a checkpoint of ``model`` (or of ``state``) holds, tied ones once, cast to ``dtype``,
     in host memory (page-locked when they come from an accelerator; see ``on_host``, also for ``buffers``).
-    ``copy``: never the model's own tensors, also on the CPU (for a write that outlives the call)."""
+    ``copy``: never the model's own tensors, also on the CPU (for a write that outlives the call).
+    ``later``: a copy queued beside the stages that follow, returned as a ``HostCopy`` (``on_host_later``)."""
     tensors = unique_state(state if state is not None else model.state_dict())
+    if later:
+        return on_host_later(tensors, dtype, buffers)
     if copy or buffers is not None or any(t.device.type != "cpu" for t in tensors.values()):
         tensors = on_host(tensors, dtype, buffers)
     return unique_state(tensors, dtype)

@@ -42,12 +42,15 @@ def _cudart():
     return torch.cuda.cudart()
 
 
-def host_empty(shape, dtype: torch.dtype, *, page_locked: bool) -> torch.Tensor:
+def host_empty(shape, dtype: torch.dtype, *, page_locked: bool, small_too: bool = False) -> torch.Tensor:
     """An uninitialised host tensor, its pages touched. ``page_locked`` (for copies from a CUDA device;
-    ignored without one or for small tensors): its own pages, registered with the driver."""
+    ignored without one, and for small tensors unless ``small_too``): its own pages, registered with the
+    driver. A copy into ordinary pages blocks the copying thread until the stream reaches it, so a copy
+    meant to run behind the host (``on_host_later``) page-locks small tensors too."""
     shape = tuple(shape)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if not page_locked or nbytes < SMALL_TENSOR or not torch.cuda.is_available():
+    if (not page_locked or nbytes == 0 or (nbytes < SMALL_TENSOR and not small_too)
+            or not torch.cuda.is_available()):
         out = torch.empty(shape, dtype=dtype)
         if out.numel():
             _touch(out.view(-1).view(torch.uint8))
@@ -187,16 +190,30 @@ def on_host(tensors, dtype: torch.dtype | None = None, buffers: list[torch.Tenso
     ``HostBuffers.take``): the k-th tensor copied goes into its k-th tensor when shape and dtype match,
     and new tensors are kept there for the next snapshot. Tied tensors stay one tensor. On the CPU the
     result is a copy too (the caller may keep it while the originals change)."""
+    out, devices = _copy_to_host(tensors, dtype, buffers, behind=None)
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def _copy_to_host(tensors, dtype, buffers, *, behind):
+    """``on_host``'s copies, queued; returns (the host tensors, the accelerators copied from).
+    ``behind``: the stream the copies are queued on, whose sources are kept from the allocator until it
+    has run them (every host tensor is then page-locked, so that no copy blocks the host)."""
     memo: dict[tuple, torch.Tensor] = {}
     devices = set()
+    lock_all = behind is not None and not _REGISTER_FAILED["warned"]
 
     def host_tensor(value: torch.Tensor, target: torch.dtype, index: int) -> torch.Tensor:
+        page_locked = value.device.type != "cpu"
         if buffers is not None and index < len(buffers):
             held = buffers[index]
-            if held.shape == value.shape and held.dtype == target:
+            if held.shape == value.shape and held.dtype == target and (
+                    not (lock_all and page_locked) or is_page_locked(held) or held.numel() == 0):
                 return held
             release(held)
-        host = host_empty(value.shape, target, page_locked=value.device.type != "cpu")
+        host = host_empty(value.shape, target, page_locked=page_locked, small_too=lock_all)
         if buffers is not None:
             buffers[index:index + 1] = [host]
         return host
@@ -212,11 +229,61 @@ def on_host(tensors, dtype: torch.dtype | None = None, buffers: list[torch.Tenso
                 host.copy_(value.detach(), non_blocking=value.device.type != "cpu")
                 if value.device.type != "cpu":
                     devices.add(value.device)
+                    if behind is not None:
+                        value.record_stream(behind)
                 memo[key] = host
         return memo[key]
 
-    out = _walk(tensors, copy)
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-    return out
+    return _walk(tensors, copy), devices
+
+
+class HostCopy:
+    """Tensors on their way to host memory (``on_host_later``): ``result()`` waits for the copies and
+    returns the host tensors; ``wait()`` only waits."""
+
+    def __init__(self, tensors, done=None):
+        self._tensors = tensors
+        self._done = done  # a CUDA event recorded after the last copy; None: copied already
+
+    def wait(self) -> None:
+        if self._done is not None:
+            self._done.synchronize()
+
+    def result(self):
+        self.wait()
+        return self._tensors
+
+
+_COPY_STREAMS: dict = {}
+
+
+def copy_stream(device) -> "torch.cuda.Stream":
+    """This process's one stream per device for copies to host memory beside the compute stream (a new
+    stream each time would leave a cuBLAS workspace behind per stream; see
+    ``kfrl.engines.rollout_torch.warmup_stream``)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COPY_STREAMS:
+        _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _COPY_STREAMS[index]
+
+
+def on_host_later(tensors, dtype: torch.dtype | None = None, buffers: list[torch.Tensor] | None = None) -> HostCopy:
+    """``on_host`` without waiting for the copies. From one CUDA device they are queued on its
+    ``copy_stream``, after the work queued so far on the current stream, so the kernels queued next run
+    beside them instead of behind them (a 1.5B model's weights in bf16 take ~75 ms over PCIe). The
+    sources' memory is kept from the allocator until the copies ran (``record_stream``); the sources
+    must not be changed before ``wait()`` returns, which is the caller's to ensure. Elsewhere (the CPU,
+    several devices) the copy is made now."""
+    devices: set = set()
+    _walk(tensors, lambda t: devices.add(t.device) or t)
+    accelerators = [d for d in devices if d.type == "cuda"]
+    if len(accelerators) != 1:
+        return HostCopy(on_host(tensors, dtype, buffers))
+    stream = copy_stream(accelerators[0])
+    stream.wait_stream(torch.cuda.current_stream(accelerators[0]))
+    with torch.cuda.stream(stream):
+        out, _ = _copy_to_host(tensors, dtype, buffers, behind=stream)
+    done = torch.cuda.Event()
+    done.record(stream)
+    return HostCopy(out, done)

@@ -135,6 +135,9 @@ def trainer(ctx: StageContext, role: Role, optim_cfg, attempt):
     manifest records which (``trainer_from``: memory | store | rebuilt)."""
     previous = ctx.checkpoint_manifest(role.stage, ctx.iteration - 1)
     _wait_for_state(role.name)  # the held copy must not change under a snapshot still reading it
+    copying = _WEIGHTS_COPIES.pop(role.name, None)
+    if copying is not None:  # nor under the copy of its weights the last update left running
+        copying.wait()
     held = _RESIDENT_TRAINERS.pop(role.name, None)
     if held is not None and held[0] == _commit_key(ctx, previous.prefix, previous.attempt):
         attempt.info["trainer_from"] = "memory"
@@ -422,28 +425,35 @@ def update_critic(ctx: StageContext, table, attempt) -> tuple[None, dict[str, fl
 
 # --- writing the two kinds -----------------------------------------------------------------------
 def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = False, state: dict | None = None,
-                   copy_now: bool = False, buffers_name: str | None = None, paced: bool = False):
-    """(config files, ``write(folder)``): the weights commit's files, the HF directory in the inference
-    dtype (of ``state`` when given, e.g. gathered from shards) plus the tokenizer, and for the policy an
-    ``MLmodel`` file (the folder is what MLflow model versions point at). ``copy_now``: the weights are
-    copied to host memory now, so ``write`` may run after the model has moved on; with ``buffers_name``
-    into that ``HostBuffers`` pool's tensors, which ``write`` gives back once the files are written.
-    ``paced``: the weights files go through ``PacedWriter`` (written beside running stages)."""
-    from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
-    from kfrl.models.host_memory import host_buffers
+                   copy_beside: bool = False, buffers_name: str | None = None, paced: bool = False):
+    """(config files, ``write(folder)``, the host copy or None): the weights commit's files, the HF
+    directory in the inference dtype (of ``state`` when given, e.g. gathered from shards) plus the
+    tokenizer, and for the policy an ``MLmodel`` file (the folder is what MLflow model versions point
+    at). ``copy_beside``: the weights are copied to host memory now, beside the stages that follow
+    (``on_host_later``: the returned ``HostCopy``, which ``write`` waits for), so ``write`` may run after
+    the model has moved on, once the copy is done; with ``buffers_name`` into that ``HostBuffers``
+    pool's tensors, which ``write`` gives back once the files are written. ``paced``: the weights files
+    go through ``PacedWriter`` (written beside running stages)."""
+    from kfrl.models.hf_io import config_files, host_weights
+    from kfrl.models.host_memory import HostCopy, host_buffers
     from kfrl.models.lora import is_lora_model
 
     dtype = ctx.compute_dtype
     if is_lora_model(model):
-        return _adapter_writer(ctx, model, tokenizer, registered=mlflow_model and state_required(
+        configs, write = _adapter_writer(ctx, model, tokenizer, registered=mlflow_model and state_required(
             ctx.config.trainer, ctx.iteration), paced=paced)
+        return configs, write, None
     pool = host_buffers(buffers_name) if buffers_name else None
     buffers = pool.take() if pool is not None else None
-    configs, weights = config_files(model, dtype), host_weights(model, dtype, state, copy=copy_now, buffers=buffers)
+    configs = config_files(model, dtype)
+    copying = host_weights(model, dtype, state, buffers=buffers, later=True) if copy_beside else \
+        HostCopy(host_weights(model, dtype, state, buffers=buffers))
 
     def write(folder) -> None:
+        from kfrl.models.hf_io import write_hf_dir
+
         try:
-            write_hf_dir(folder, configs, weights, tokenizer, paced=paced)
+            write_hf_dir(folder, configs, copying.result(), tokenizer, paced=paced)
         finally:
             if pool is not None:
                 pool.give_back(buffers)
@@ -452,7 +462,7 @@ def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = 
 
             write_mlmodel(folder, tokenizer, dtype)
 
-    return configs, write
+    return configs, write, copying if copy_beside else None
 
 
 def _adapter_writer(ctx: StageContext, model, tokenizer, *, registered: bool, paced: bool = False):
@@ -486,7 +496,7 @@ def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: 
                  state: dict | None = None) -> float:
     """Write the weights commit's files (``weights_writer``) into ``attempt``. Returns the seconds spent
     writing them (the rest of the call is hashing, or the upload to S3)."""
-    _configs, write = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, state=state)
+    _configs, write, _ = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, state=state)
     with attempt.staged_dir() as folder:
         started = time.perf_counter()
         write(folder)
@@ -497,25 +507,33 @@ def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: 
 def save_weights_later(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False,
                        role_name: str = "actor") -> dict[str, float]:
     """``save_weights`` for a process that lives on (the resident engine, the inline runner): the weights
-    are copied to host memory now (so the training copy may move on; into this process's reused host
-    buffers), and the files and the stage's commit are written by a thread
-    (``Attempt.write_in_background``). This process sees the commit at once; its next commit with files
-    (the next rollout) waits for it, so what is durable stays in order. The files are paced
-    (``PacedWriter``) but at the run's last iteration: buffered, a GB-sized write made each small commit
-    of the stages beside it (a manifest's fsync) wait 0.1-0.4 s for the journal. Returns the seconds of
-    its two parts on the critical path: the host copy and the early files."""
+    are copied to host memory beside the stages that follow (into this process's reused host buffers;
+    the next update of ``role_name`` waits for the copy before it changes them, ``trainer``), and the
+    files and the stage's commit are written by a thread (``Attempt.write_in_background``) once the
+    copy is done. This process sees the commit at once; its next commit with files (the next rollout)
+    waits for it, so what is durable stays in order. The files are paced (``PacedWriter``) but at the
+    run's last iteration: buffered, a GB-sized write made each small commit of the stages beside it (a
+    manifest's fsync) wait 0.1-0.4 s for the journal. Returns the seconds of its two parts on the
+    critical path: queueing the host copy and the early files."""
     from kfrl.models.hf_io import write_hf_dir
 
     started = time.perf_counter()
-    configs, write = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, copy_now=True,
-                                    buffers_name=f"weights/{role_name}",
-                                    paced=ctx.iteration != ctx.config.trainer.total_iterations)
+    configs, write, copying = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, copy_beside=True,
+                                             buffers_name=f"weights/{role_name}",
+                                             paced=ctx.iteration != ctx.config.trainer.total_iterations)
+    if copying is not None:
+        _WEIGHTS_COPIES[role_name] = copying
     copied = time.perf_counter()
     # Config and tokenizer now, in a local folder: the next rollout reads them without waiting.
     folder = _early_folder(attempt.attempt)
     early = write_hf_dir(folder, configs, None, tokenizer, link_tokenizer_from=folder.parent.with_name("tokenizers"))
     attempt.write_in_background(write, early_dir=early)
     return {"host_copy": copied - started, "early_files": time.perf_counter() - copied}
+
+
+# Host copies of a resident training copy's weights still running beside the stages after its update
+# (``save_weights_later``), by role: the role's next update waits for its copy before it changes them.
+_WEIGHTS_COPIES: dict = {}
 
 
 def _early_folder(attempt_id: str) -> Path:
@@ -661,7 +679,7 @@ class _StateWrite:
 
         import torch
 
-        from kfrl.models.host_memory import host_buffers
+        from kfrl.models.host_memory import copy_stream, host_buffers
 
         ctx, role, weights_attempt, model, optimizer, steps = self.args
         pool = host_buffers(f"trainer_state/{role.name}")
@@ -672,7 +690,7 @@ class _StateWrite:
                 self.previous = None
             stream = None
             if self.ready is not None:
-                stream = _copy_stream()
+                stream = copy_stream(torch.cuda.current_device())
                 stream.wait_event(self.ready)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 states = snapshot(model, optimizer, buffers)
@@ -699,20 +717,6 @@ class _StateWrite:
             print(f"[kfrl] writing the trainer state of iteration {ctx.iteration} ({role.state}) in the background "
                   f"failed ({type(self.error).__name__}: {self.error}); an update that needs it will redo "
                   f"iteration {ctx.iteration}'s update to rebuild it", file=sys.stderr, flush=True)
-
-
-_COPY_STREAMS: dict = {}
-
-
-def _copy_stream():
-    """The process's one stream for trainer-state snapshots (a new stream each time would leave a cuBLAS
-    workspace behind per stream; see ``kfrl.engines.rollout_torch.warmup_stream``)."""
-    import torch
-
-    device = torch.cuda.current_device()
-    if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _COPY_STREAMS[device]
 
 
 def _wait_for_state(role_name: str) -> None:
