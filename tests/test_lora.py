@@ -211,7 +211,7 @@ def test_a_registered_versions_merged_weights_leave_the_device_one_at_a_time(mon
     assert max(alive_at_each) > 1
 
 
-def test_only_frozen_weights_are_laid_back_to_back():
+def test_only_frozen_weights_are_laid_back_to_back_unless_the_caller_says_trained():
     from kfrl.engines.decoder import lay_back_to_back
 
     model = tiny()
@@ -222,6 +222,32 @@ def test_only_frozen_weights_are_laid_back_to_back():
     layers = model.config.num_hidden_layers
     assert lay_back_to_back(params, layers) == 3 * layers  # q/k/v weights, q/k/v biases, gate/up
     assert lay_back_to_back(params, layers) == 0
+
+
+def test_a_training_copy_laid_out_for_the_decoder_trains_as_before_and_the_decoder_views_its_weights():
+    from kfrl.engines.decoder import Decoder
+    from kfrl.stages.update import share_with_decoder
+
+    torch.manual_seed(0)
+    model, plain = tiny(), tiny()
+    plain.load_state_dict(model.state_dict())
+    before = {name: p for name, p in model.named_parameters()}
+    assert share_with_decoder(model) == 3 * model.config.num_hidden_layers
+    assert all(p is before[name] for name, p in model.named_parameters())  # same parameters, moved memory
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    for trained in (model, plain):
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+        trained(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+    decoder = Decoder.from_hf_model(model)
+    attn = model.model.layers[1].self_attn
+    assert decoder.blocks[1].qkv_weight.data_ptr() == attn.q_proj.weight.data_ptr()
+    assert decoder.blocks[1].gate_up_weight.data_ptr() == model.model.layers[1].mlp.gate_proj.weight.data_ptr()
+    with torch.no_grad():
+        attn.k_proj.weight.add_(1.0)  # what the next update's step does in place: the decoder sees it
+    assert torch.equal(decoder.blocks[1].qkv_weight[attn.q_proj.weight.shape[0]:][:attn.k_proj.weight.shape[0]],
+                       attn.k_proj.weight)
 
 
 def adapter(run: Run, stage: str, iteration: int) -> dict[str, torch.Tensor]:

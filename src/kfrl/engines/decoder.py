@@ -160,18 +160,22 @@ def fused_groups(n_layers: int) -> list[list[str]]:
     return groups
 
 
-def lay_back_to_back(params: dict[str, torch.nn.Parameter], n_layers: int) -> int:
+def lay_back_to_back(params: dict[str, torch.nn.Parameter], n_layers: int, *, trained: bool = False) -> int:
     """Move each fused group's parameters (``fused_groups``) into one memory block, in place (each
     parameter's ``data`` becomes a view of it; values unchanged), so that a decoder built over them
-    shares their memory. Groups already so laid out are left alone; returns the groups moved. For
-    frozen weights only: a tensor an optimizer holds would lose its link to the parameter."""
+    shares their memory. Groups already so laid out are left alone; returns the groups moved.
+
+    The parameters keep their identity, so an optimizer holding them keeps holding them; but a tensor
+    taken from ``p.data`` before the move (a reference to the old memory) would no longer be the
+    weight. So by default only frozen weights are moved; ``trained``: the caller knows that nothing
+    holds such a tensor (a training copy just loaded, before its optimizer or compiled blocks exist)."""
     moved = 0
     with torch.no_grad():
         for names in fused_groups(n_layers):
             parts = [params.get(name) for name in names]
             if any(p is None for p in parts) or _back_to_back([p.data for p in parts]) is not None:
                 continue
-            if any(p.requires_grad for p in parts):
+            if not trained and any(p.requires_grad for p in parts):
                 raise ValueError(f"{names[0]} is trained: only frozen weights may be moved")
             block = torch.cat([p.data.reshape(p.shape[0], -1) for p in parts])
             row = 0

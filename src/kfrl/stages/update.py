@@ -181,6 +181,8 @@ def _load_training_model(ctx: StageContext, role: Role, manifest):
     spec = role_lora(ctx, role)
     if spec is None:
         model = load(manifest, for_training=True, dtype=master_dtype(section))
+        if role.name == "actor" and master_dtype(section) == ctx.compute_dtype:
+            share_with_decoder(model)
     else:
         from kfrl.models.lora import add_adapters, load_adapter_state, read_adapter
 
@@ -201,6 +203,21 @@ def _load_training_model(ctx: StageContext, role: Role, manifest):
     if role.name == "actor" and ctx.config.actor.use_torch_compile and next(model.parameters()).is_cuda:
         compile_layers(model)
     return model
+
+
+def share_with_decoder(model) -> int:
+    """Lay the weights the torch rollout decoder fuses (each layer's q/k/v, gate/up) back to back in
+    memory, so the decoder built over this training copy after each update views them instead of
+    copying them: 1.6 GiB less at Qwen2.5-1.5B in bf16, 8.5 GB at 7B. Only where the training copy is
+    in the decoder's dtype, right after loading (before its optimizer, liger's patches or compiled
+    blocks exist); other model families have no such names and are left as they are. Returns the
+    groups moved."""
+    from kfrl.engines.decoder import lay_back_to_back
+
+    layers = getattr(model.config, "num_hidden_layers", None)
+    if not layers:
+        return 0
+    return lay_back_to_back(dict(model.named_parameters()), layers, trained=True)
 
 
 def apply_liger_kernels(model, device) -> None:
