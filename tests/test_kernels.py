@@ -112,6 +112,35 @@ CHECKS = textwrap.dedent(r"""
                                                                   (got - ref).abs().max())
     kernels.ATTENTION_SPLITS = 1
 
+    # With the prompts held once (PromptCache): the same result, and the same cache write, as with every
+    # sequence holding its prompt's columns, in the kernel and in the reference alike (the same values
+    # in the same order: equal, not close); the splits straddle the prompt's end.
+    heads, kv, head_dim, rows, prompt_length, columns, at = 14, 2, 64, 4, 70, 150, 129
+    qkv = rand(rows, (heads + 2 * kv) * head_dim)
+    positions = torch.tensor([at, 60, 100, 90], device=device)
+    angles = torch.rand(200, head_dim // 2, generator=g).to(device) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    prompt_kv = rand(2, 2, kv, prompt_length, head_dim)  # (K/V, prompts, kv heads, columns, hd)
+    prompt_of = torch.tensor([1, 0, 1, 0], device=device)
+    own = rand(2, rows, kv, columns - prompt_length, head_dim)
+    column = torch.tensor([at], device=device)
+    bias = torch.zeros(rows, columns, device=device, dtype=dtype)
+    bias[0, :20] = float("-inf")
+    bias[3, 100:at] = float("-inf")
+    for splits in (1, 4):
+        kernels.ATTENTION_SPLITS = splits
+        for attend in (kernels.rope_attention_ref, kernels.rope_attention):
+            whole = torch.cat([prompt_kv[:, prompt_of], own], dim=3)
+            expected = attend(qkv, positions, cos, sin, None, None, 1e-6, whole[0], whole[1], column, bias,
+                              heads, kv, head_dim)
+            mine = own.clone()
+            got = attend(qkv, positions, cos, sin, None, None, 1e-6, mine[0], mine[1], column, bias, heads, kv,
+                         head_dim, (prompt_kv[0], prompt_kv[1], prompt_of, prompt_length))
+            assert torch.equal(got, expected), ("shared prompts", attend.__name__, splits, (got - expected).abs().max())
+            assert torch.equal(mine, whole[:, :, :, prompt_length:]), ("shared prompts: cache write", attend.__name__)
+    kernels.ATTENTION_SPLITS = 1
+
     gate_up = rand(4, 2 * 1100)
     ref = kernels.silu_mul_ref(gate_up)  # elementwise: exp, add, divide, two products (~8 u relative)
     assert torch.allclose(kernels.silu_mul(gate_up), ref, atol=tol(1, ref.abs().max(), steps=8), rtol=0), "silu_mul"

@@ -125,6 +125,26 @@ class Block:
     down_lora: LowRank | None = None
 
 
+@dataclass
+class PromptCache:
+    """A rollout's prompts in the KV cache once each rather than once per sample: ``cache`` (layers, 2,
+    prompts, kv_heads, length, hd) holds the first ``length`` columns of every sequence (its left-padded
+    prompt), sequence i's at prompt row ``prompt_of[i]``; the per-sequence cache holds the columns
+    after them. A GRPO batch of n samples per prompt keeps (and its decode steps read) each prompt's K/V
+    once instead of n times."""
+    cache: torch.Tensor
+    prompt_of: torch.Tensor  # (sequences,) long
+    length: int
+
+    def of_layer(self, layer: int, rows: int) -> tuple:
+        """``kernels.rope_attention``'s ``prompt`` for the first ``rows`` sequences."""
+        return self.cache[layer, 0], self.cache[layer, 1], self.prompt_of[:rows], self.length
+
+    def rows_from(self, first: int) -> "PromptCache":
+        """The same cache for the sequences from ``first`` on (a part of the batch)."""
+        return PromptCache(self.cache, self.prompt_of[first:], self.length)
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, plus the low-rank update when there is one (added in place)."""
     y = F.linear(x, weight, bias)
@@ -410,11 +430,13 @@ class Decoder:
         return F.linear(self._norm(x[:, -1], self.norm), self.lm_head)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, column: torch.Tensor,
-               attn_bias: torch.Tensor) -> torch.Tensor:
+               attn_bias: torch.Tensor, prompts: "PromptCache | None" = None) -> torch.Tensor:
         """One token per sequence. tokens, positions (b,); cache (layers, 2, >=b, kv_heads, >=L, hd) whose
         first b rows are these sequences; column (1,) where this token's K/V go; attn_bias (b, L) additive
         (0 = visible, -inf = not). The columns up to and including ``column`` are attended (read on the
-        device: one captured step serves every column). Returns logits (b, V)."""
+        device: one captured step serves every column). With ``prompts`` the first ``prompts.length``
+        columns are the prompts' (held once per prompt) and ``cache`` holds the columns after them.
+        Returns logits (b, V)."""
         s = self.spec
         b = attn_bias.shape[0]
         eps = s.rms_norm_eps
@@ -426,7 +448,8 @@ class Decoder:
             qkv = project(h, block.qkv_weight, block.qkv_bias, block.qkv_lora)
             attn = kernels.rope_attention(qkv, positions, cos_table, sin_table, block.q_norm, block.k_norm, eps,
                                           cache[layer, 0, :b], cache[layer, 1, :b], column, attn_bias,
-                                          s.n_heads, s.n_kv_heads, s.head_dim)
+                                          s.n_heads, s.n_kv_heads, s.head_dim,
+                                          None if prompts is None else prompts.of_layer(layer, b))
             delta = project(attn, block.o_weight, block.o_bias, block.o_lora)
             x, h = kernels.add_rms_norm(x, delta, block.post_norm, eps)
             act = kernels.silu_mul(project(h, block.gate_up_weight, None, block.gate_up_lora))

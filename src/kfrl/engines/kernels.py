@@ -103,12 +103,23 @@ def decode_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 def rope_attention_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column, attn_bias,
-                       n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+                       n_heads: int, n_kv_heads: int, head_dim: int, prompt=None) -> torch.Tensor:
     """The decode step's attention from its fused projection: ``rope_to_cache_ref`` (the step's K/V into
-    the cache at ``column``), then ``decode_attention_ref`` over the columns up to ``column``."""
-    q = rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
+    the cache at ``column``), then ``decode_attention_ref`` over the columns up to ``column``.
+
+    ``prompt`` (prompt keys, prompt values, prompt_of, length): the first ``length`` columns of every
+    sequence are its prompt's, held once per prompt in prompt keys/values (P, kv_heads, length, hd),
+    sequence i's at row ``prompt_of[i]``; ``keys``/``values`` then hold the columns from ``length`` on
+    (column c at c - length), where the step's own K/V go."""
+    if prompt is None:
+        q = rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
+                              n_heads, n_kv_heads, head_dim)
+        return decode_attention_ref(q, keys, values, attn_bias, column)
+    prompt_keys, prompt_values, prompt_of, length = prompt
+    q = rope_to_cache_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column - length,
                           n_heads, n_kv_heads, head_dim)
-    return decode_attention_ref(q, keys, values, attn_bias, column)
+    return decode_attention_ref(q, torch.cat([prompt_keys[prompt_of], keys], dim=2),
+                                torch.cat([prompt_values[prompt_of], values], dim=2), attn_bias, column)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -146,6 +157,9 @@ ATTENTION_SPLITS = 1
 # beside the other's; 1 runs the batch as one. Parts are at least DECODE_STREAM_MIN_ROWS rows.
 DECODE_STREAMS = 1
 DECODE_STREAM_MIN_ROWS = 64
+# 1: a rollout's prompts are kept once in the KV cache, not once per sample (rope_attention's prompt
+# cache); 0: every sequence holds its prompt's columns (the layout before, for comparison).
+DECODE_SHARED_PROMPTS = 1
 
 _split_counters: dict = {}
 
@@ -172,13 +186,21 @@ def add_rms_norm(x, delta, weight, eps):
 
 
 def rope_attention(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column, attn_bias,
-                   n_heads: int, n_kv_heads: int, head_dim: int):
+                   n_heads: int, n_kv_heads: int, head_dim: int, prompt=None):
     """``rope_attention_ref`` in one kernel: each (sequence, KV head) program rotates its query heads and
     its key in registers, writes the key and value to the cache, and attends the earlier columns from
-    the cache and its own from registers. Returns (b, heads * hd)."""
+    the cache (a prompt's columns from its prompt's rows, with ``prompt``) and its own from registers.
+    Returns (b, heads * hd)."""
     if not triton_enabled(qkv):
         return rope_attention_ref(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, keys, values, column,
-                                  attn_bias, n_heads, n_kv_heads, head_dim)
+                                  attn_bias, n_heads, n_kv_heads, head_dim, prompt)
+    if prompt is not None:
+        prompt_keys, prompt_values, prompt_of, prompt_length = prompt
+        if prompt_keys.stride(2) != keys.stride(2) or prompt_keys.stride() != prompt_values.stride():
+            raise ValueError("the prompt cache and the cache must both be (rows, kv_heads, columns, head_dim) "
+                             "with contiguous columns")
+    else:
+        prompt_keys, prompt_values, prompt_of, prompt_length = keys, values, positions, 0
     b = qkv.shape[0]
     group = n_heads // n_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
@@ -195,10 +217,11 @@ def rope_attention(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, ke
     _rope_attention_kernel[(b, n_kv_heads, splits)](
         qkv, positions, cos_table, sin_table, q_norm if has_norm else qkv, k_norm if has_norm else qkv, eps,
         keys, values, attn_bias, out, partial, counters, column, attn_bias.shape[1], qkv.stride(0),
-        attn_bias.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, N_HEADS=n_heads,
-        GROUP=group, HD=head_dim, BLOCK_G=block_g, HALF_BLOCK=max(16, triton.next_power_of_2(head_dim // 2)),
-        BLOCK_N=ATTENTION_BLOCK_N, HAS_NORM=has_norm, SPLITS=splits, num_warps=ATTENTION_WARPS,
-        num_stages=ATTENTION_STAGES)
+        attn_bias.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5,
+        prompt_keys, prompt_values, prompt_of, prompt_length, prompt_keys.stride(0), prompt_keys.stride(1),
+        N_HEADS=n_heads, GROUP=group, HD=head_dim, BLOCK_G=block_g,
+        HALF_BLOCK=max(16, triton.next_power_of_2(head_dim // 2)), BLOCK_N=ATTENTION_BLOCK_N, HAS_NORM=has_norm,
+        SPLITS=splits, HAS_PROMPT=prompt is not None, num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES)
     return out.flatten(1)
 
 
@@ -293,15 +316,20 @@ if triton is not None:
     # between calls can trigger a compile mid-rollout. The cache width and bias stride may, the cache
     # strides must not: their divisibility is what lets Triton vectorise the K/V loads (unspecialised,
     # the earlier attention kernel was 2.5x slower).
-    @triton.jit(do_not_specialize=["columns", "bias_stride"])
+    @triton.jit(do_not_specialize=["columns", "bias_stride", "prompt_length"])
     def _rope_attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, k_ptr, v_ptr, bias_ptr,
                                out_ptr, partial_ptr, count_ptr, col_ptr, columns, qkv_stride, bias_stride, row_stride,
-                               head_stride, col_stride, scale, N_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                               head_stride, col_stride, scale, pk_ptr, pv_ptr, prompt_of_ptr, prompt_length,
+                               prompt_row_stride, prompt_head_stride, N_HEADS: tl.constexpr, GROUP: tl.constexpr,
                                HD: tl.constexpr, BLOCK_G: tl.constexpr, HALF_BLOCK: tl.constexpr,
-                               BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLITS: tl.constexpr):
+                               BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLITS: tl.constexpr,
+                               HAS_PROMPT: tl.constexpr):
         """One program per (sequence, KV head, split of the columns). Vectors are kept as their two rotary
         halves, so that the rotation needs no shuffle: scores are q1.k1 + q2.k2 and the output is written
-        half by half. Split 0 writes the step's K/V and attends its own column from registers."""
+        half by half. Split 0 writes the step's K/V and attends its own column from registers. With
+        HAS_PROMPT the columns before ``prompt_length`` are read from the sequence's prompt's rows of the
+        prompt cache (shared by the prompt's samples, so their reads of it meet in L2), the later ones
+        from the sequence's own rows at column - prompt_length."""
         row = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -332,7 +360,9 @@ if triton is not None:
         q1, q2 = _rotate_rows(q1, q2, cos, sin)
         k1, k2 = _rotate_rows(k1, k2, cos, sin)
         base = row * row_stride + kv_head * head_stride
-        here = base + column * col_stride + h[None, :]
+        if HAS_PROMPT:
+            prompt_base = tl.load(prompt_of_ptr + row).to(tl.int64) * prompt_row_stride + kv_head * prompt_head_stride
+        here = base + (column - prompt_length) * col_stride + h[None, :]
         own_mask = h_mask[None, :] & (h[None, :] * 0 + split == 0)  # a block, not scalar & block: the interpreter
         tl.store(k_ptr + here, k1, mask=own_mask)
         tl.store(k_ptr + here + half, k2, mask=own_mask)
@@ -360,12 +390,21 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             cols = start + n
             c_mask = cols < hi
-            at = base + cols[:, None] * col_stride + h[None, :]
             kv_mask = c_mask[:, None] & h_mask[None, :]
+            if HAS_PROMPT:
+                in_prompt = (cols < prompt_length)[:, None]
+                own_at = base + (cols[:, None] - prompt_length) * col_stride + h[None, :]
+                shared_at = prompt_base + cols[:, None] * col_stride + h[None, :]
+                k_at = tl.where(in_prompt, pk_ptr + shared_at, k_ptr + own_at)
+                v_at = tl.where(in_prompt, pv_ptr + shared_at, v_ptr + own_at)
+            else:
+                at = base + cols[:, None] * col_stride + h[None, :]
+                k_at = k_ptr + at
+                v_at = v_ptr + at
             bias = bias_next.to(tl.float32)
             bias_next = tl.load(bias_row + cols + BLOCK_N, mask=cols + BLOCK_N < hi, other=float("-inf"))
-            c1 = tl.load(k_ptr + at, mask=kv_mask, other=0.0)
-            c2 = tl.load(k_ptr + at + half, mask=kv_mask, other=0.0)
+            c1 = tl.load(k_at, mask=kv_mask, other=0.0)
+            c2 = tl.load(k_at + half, mask=kv_mask, other=0.0)
             scores = (tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))).to(tl.float32) * scale + bias[None, :]
             new_best = tl.maximum(best, tl.max(scores, axis=1))
             # Rows that have seen only masked columns keep -inf; exp(-inf - -inf) would be NaN.
@@ -374,8 +413,8 @@ if triton is not None:
             rescale = tl.exp(best - safe)
             total = total * rescale + tl.sum(weights, axis=1)
             w = weights.to(c1.dtype)
-            d1 = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
-            d2 = tl.load(v_ptr + at + half, mask=kv_mask, other=0.0)
+            d1 = tl.load(v_at, mask=kv_mask, other=0.0)
+            d2 = tl.load(v_at + half, mask=kv_mask, other=0.0)
             acc1 = acc1 * rescale[:, None] + tl.dot(w, d1).to(tl.float32)
             acc2 = acc2 * rescale[:, None] + tl.dot(w, d2).to(tl.float32)
             best = new_best

@@ -3,9 +3,11 @@
 One call generates n samples for each of P prompts (B = P * n sequences):
 
 1. **Prefill** each prompt once (left-padded to the longest prompt, with a causal + padding mask and
-   per-row positions), in chunks bounded by a token budget. Its K/V is copied into the cache rows of
-   its n samples and its last logits give each sample's first token.
-2. **KV cache**: one static tensor (layers, 2, B, kv_heads, P_max + max_new_tokens, head_dim)
+   per-row positions), in chunks bounded by a token budget. Its K/V go to its row of the prompt cache
+   and its last logits give each sample's first token.
+2. **KV cache**: a prompt cache (layers, 2, P, kv_heads, P_max, head_dim), each prompt's K/V once
+   (``PromptCache``: its n samples read the same rows, which meet in L2, and hold no copy of them), and
+   one static tensor (layers, 2, B, kv_heads, max_new_tokens - 1, head_dim) for the responses, both
    allocated per call. Static rather than paged because a rollout batch is known up front (B
    sequences, at most P_max + R columns each), every sequence lives for the whole call, and fixed
    addresses are what CUDA graphs need; the price is that memory is sized for the longest case,
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kfrl.engines import kernels
-from kfrl.engines.decoder import Decoder
+from kfrl.engines.decoder import Decoder, PromptCache
 from kfrl.engines.rollout import Generation, SamplingParams, generations_from_tokens, left_pad
 from kfrl.engines.sampling import sample_tokens
 
@@ -58,6 +60,7 @@ class _DecodeState:
     out_tokens: torch.Tensor  # (B + 1, R)
     out_logprobs: torch.Tensor
     owner: torch.Tensor | None = None  # (B,) which sequence's cache a slot holds (multi-turn: kept across compactions)
+    prompts: PromptCache | None = None  # the prompts' columns, once per prompt; ``cache`` then holds the rest
 
 
 _WARMUP_STREAMS: dict = {}
@@ -155,9 +158,15 @@ class TorchRollout:
         longest = max(len(p) for p in prompts)
         columns = longest + max(max_new - 1, 1)
         dec.rope_tables(longest + max_new)
+        shared = bool(kernels.DECODE_SHARED_PROMPTS)
+        prompts_cache = PromptCache(
+            torch.empty((spec.n_layers, 2, len(prompts), spec.n_kv_heads, longest, spec.head_dim), dtype=dec.dtype,
+                        device=device),
+            torch.arange(len(prompts), device=device).repeat_interleave(n), longest) if shared else None
         st = _DecodeState(
-            cache=torch.zeros((spec.n_layers, 2, batch, spec.n_kv_heads, columns, spec.head_dim),
-                              dtype=dec.dtype, device=device),
+            cache=torch.zeros((spec.n_layers, 2, batch, spec.n_kv_heads, columns - longest if shared else columns,
+                               spec.head_dim), dtype=dec.dtype, device=device),
+            prompts=prompts_cache,
             attn_bias=torch.full((batch, columns), float("-inf"), dtype=dec.dtype, device=device),
             tokens=torch.empty(batch, dtype=torch.long, device=device),
             positions=torch.tensor([len(p) for p in prompts], device=device).repeat_interleave(n),
@@ -202,14 +211,17 @@ class TorchRollout:
             ids, valid = left_pad(chunk, self.pad_id, device, width=longest)
             valid = valid.bool()
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-            kv = torch.empty((spec.n_layers, 2, len(chunk), spec.n_kv_heads, longest, spec.head_dim),
-                             dtype=dec.dtype, device=device)
-            logits.append(dec.prefill(ids, valid, positions, kv))
             rows = slice(start * n, (start + len(chunk)) * n)
-            st.cache[:, :, rows, :, :longest] = kv.repeat_interleave(n, dim=2)
+            if st.prompts is not None:  # straight into the prompt's own rows of the prompt cache
+                logits.append(dec.prefill(ids, valid, positions, st.prompts.cache[:, :, start:start + len(chunk)]))
+            else:
+                kv = torch.empty((spec.n_layers, 2, len(chunk), spec.n_kv_heads, longest, spec.head_dim),
+                                 dtype=dec.dtype, device=device)
+                logits.append(dec.prefill(ids, valid, positions, kv))
+                st.cache[:, :, rows, :, :longest] = kv.repeat_interleave(n, dim=2)
+                del kv
             visible = torch.where(valid, 0.0, float("-inf")).to(dec.dtype)
             st.attn_bias[rows, :longest] = visible.repeat_interleave(n, dim=0)
-            del kv
         return torch.cat(logits)
 
     # --- decode loop --------------------------------------------------------------------------------
@@ -229,7 +241,7 @@ class TorchRollout:
         def step_rows(lo: int, hi: int) -> None:
             rows = slice(lo, hi)
             logits = self.decoder.decode(st.tokens[rows], st.positions[rows], st.cache[:, :, lo:], st.column,
-                                         st.attn_bias[rows])
+                                         st.attn_bias[rows], None if st.prompts is None else st.prompts.rows_from(lo))
             state = dict(finished=st.finished[rows], sequence=st.sequence[rows], tokens=st.tokens[rows],
                          positions=st.positions[rows], eos_table=self._eos_table, out_tokens=st.out_tokens,
                          out_logprobs=st.out_logprobs, column=st.column, longest=longest, pad_id=self.pad_id)
@@ -304,7 +316,8 @@ class TorchRollout:
                 buffer[:active] = buffer[order]
         else:
             st.cache[:, :, :m] = st.cache[:, :, running]
-            for buffer in (st.attn_bias, st.tokens, st.positions, st.sequence):
+            shared = () if st.prompts is None else (st.prompts.prompt_of,)
+            for buffer in (st.attn_bias, st.tokens, st.positions, st.sequence, *shared):
                 buffer[:m] = buffer[running]
         st.finished[:m] = False
         st.finished[m:target] = True
