@@ -391,20 +391,22 @@ if triton is not None:
             cols = start + n
             c_mask = cols < hi
             kv_mask = c_mask[:, None] & h_mask[None, :]
+            # (not k_at/v_at: those name the step's own key and value above, and a name assigned in the
+            # loop with another shape is a loop-carried variable whose type changes, which Triton refuses)
             if HAS_PROMPT:
                 in_prompt = (cols < prompt_length)[:, None]
                 own_at = base + (cols[:, None] - prompt_length) * col_stride + h[None, :]
                 shared_at = prompt_base + cols[:, None] * col_stride + h[None, :]
-                k_at = tl.where(in_prompt, pk_ptr + shared_at, k_ptr + own_at)
-                v_at = tl.where(in_prompt, pv_ptr + shared_at, v_ptr + own_at)
+                block_k = tl.where(in_prompt, pk_ptr + shared_at, k_ptr + own_at)
+                block_v = tl.where(in_prompt, pv_ptr + shared_at, v_ptr + own_at)
             else:
                 at = base + cols[:, None] * col_stride + h[None, :]
-                k_at = k_ptr + at
-                v_at = v_ptr + at
+                block_k = k_ptr + at
+                block_v = v_ptr + at
             bias = bias_next.to(tl.float32)
             bias_next = tl.load(bias_row + cols + BLOCK_N, mask=cols + BLOCK_N < hi, other=float("-inf"))
-            c1 = tl.load(k_at, mask=kv_mask, other=0.0)
-            c2 = tl.load(k_at + half, mask=kv_mask, other=0.0)
+            c1 = tl.load(block_k, mask=kv_mask, other=0.0)
+            c2 = tl.load(block_k + half, mask=kv_mask, other=0.0)
             scores = (tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))).to(tl.float32) * scale + bias[None, :]
             new_best = tl.maximum(best, tl.max(scores, axis=1))
             # Rows that have seen only masked columns keep -inf; exp(-inf - -inf) would be NaN.
@@ -413,8 +415,8 @@ if triton is not None:
             rescale = tl.exp(best - safe)
             total = total * rescale + tl.sum(weights, axis=1)
             w = weights.to(c1.dtype)
-            d1 = tl.load(v_at, mask=kv_mask, other=0.0)
-            d2 = tl.load(v_at + half, mask=kv_mask, other=0.0)
+            d1 = tl.load(block_v, mask=kv_mask, other=0.0)
+            d2 = tl.load(block_v + half, mask=kv_mask, other=0.0)
             acc1 = acc1 * rescale[:, None] + tl.dot(w, d1).to(tl.float32)
             acc2 = acc2 * rescale[:, None] + tl.dot(w, d2).to(tl.float32)
             best = new_best
