@@ -366,38 +366,6 @@ def test_cuda_graphs_give_the_eager_result(tmp_path, tiny, tiny_dir):
 
 @pytest.mark.gpu
 @cuda
-def test_a_decode_step_split_over_streams_draws_what_the_whole_batch_draws(tiny, tiny_dir, monkeypatch):
-    from kfrl.engines import kernels
-
-    _, tokenizer, prompts = tiny
-    engine = torch_engine(tiny_dir, tokenizer, device="cuda", dtype=torch.bfloat16)
-    outputs = {}
-    for streams in (1, 2):
-        monkeypatch.setattr(kernels, "DECODE_STREAMS", streams)
-        monkeypatch.setattr(kernels, "DECODE_STREAM_MIN_ROWS", 8)
-        outputs[streams] = [[g.response_ids for g in engine.generate_responses(prompts, params, seed=3)]
-                            for params in (SamplingParams(n=4, max_new_tokens=40, do_sample=False),
-                                           SamplingParams(n=4, max_new_tokens=40, temperature=0.8))]
-    assert len(prompts) * 4 >= 16  # two parts of at least 8 rows
-    assert outputs[2] == outputs[1]
-
-
-def test_a_decode_batch_splits_into_parts_of_whole_multiples_of_8_rows(monkeypatch):
-    from kfrl.engines import kernels
-    from kfrl.engines.rollout_torch import stream_parts
-
-    monkeypatch.setattr(kernels, "DECODE_STREAM_MIN_ROWS", 64)
-    monkeypatch.setattr(kernels, "DECODE_STREAMS", 1)
-    assert stream_parts(256) == [(0, 256)]
-    monkeypatch.setattr(kernels, "DECODE_STREAMS", 2)
-    assert stream_parts(256) == [(0, 128), (128, 256)]
-    assert stream_parts(96) == [(0, 96)]  # a part would be under 64 rows
-    monkeypatch.setattr(kernels, "DECODE_STREAMS", 3)
-    assert stream_parts(200) == [(0, 72), (72, 144), (144, 200)]
-
-
-@pytest.mark.gpu
-@cuda
 def test_cuda_bf16_logprobs_match_teacher_forced(tiny, tiny_dir):
     from kfrl.models.hf_io import load_causal_lm
 

@@ -140,10 +140,6 @@ class PromptCache:
         """``kernels.rope_attention``'s ``prompt`` for the first ``rows`` sequences."""
         return self.cache[layer, 0], self.cache[layer, 1], self.prompt_of[:rows], self.length
 
-    def rows_from(self, first: int) -> "PromptCache":
-        """The same cache for the sequences from ``first`` on (a part of the batch)."""
-        return PromptCache(self.cache, self.prompt_of[first:], self.length)
-
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, plus the low-rank update when there is one (added in place)."""

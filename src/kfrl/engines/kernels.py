@@ -152,11 +152,6 @@ ATTENTION_STAGES = 2
 # pair leaves a 256-sequence batch of a 2-KV-head model at 512 programs, each reading its columns
 # serially; more split the read and the last to finish combines the partial softmaxes.
 ATTENTION_SPLITS = 1
-# Streams a graph-captured decode step splits its batch over (kfrl.engines.rollout_torch): each part's
-# step runs on its own stream, so that one part's latency-bound kernels (attention, small GEMMs) run
-# beside the other's; 1 runs the batch as one. Parts are at least DECODE_STREAM_MIN_ROWS rows.
-DECODE_STREAMS = 1
-DECODE_STREAM_MIN_ROWS = 64
 # 1: a rollout's prompts are kept once in the KV cache, not once per sample (rope_attention's prompt
 # cache); 0: every sequence holds its prompt's columns (the layout before, for comparison).
 DECODE_SHARED_PROMPTS = 1
@@ -238,11 +233,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def sample_and_record(logits, *, temperature: float, greedy: bool, seed: torch.Tensor, finished, sequence,
                       tokens, positions, eos_table, out_tokens, out_logprobs, column, longest: int,
-                      pad_id: int, first_slot: int = 0) -> None:
+                      pad_id: int) -> None:
     """Plain temperature sampling (no top-k/top-p) or greedy choice, plus ``record_ref``'s bookkeeping.
-    ``seed`` (1,) int64 on the device; the noise of step c uses seed + c and the row's slot (its row plus
-    ``first_slot``, where the rows are a part of the batch), so one seed gives one sequence of samples.
-    Triton only (the caller falls back to sample_tokens + record_ref).
+    ``seed`` (1,) int64 on the device; the noise of step c uses seed + c, so one seed gives one sequence
+    of samples. Triton only (the caller falls back to sample_tokens + record_ref).
 
     Two kernels: the vocabulary is split into slices so that enough programs run (one program per
     row would leave most of the GPU idle on a 152k vocabulary); each slice reports its max, its sum
@@ -257,8 +251,8 @@ def sample_and_record(logits, *, temperature: float, greedy: bool, seed: torch.T
     _sample_partial_kernel[(rows, splits)](logits, vocab, slice_size, inv_temp, partial, partial_index, splits,
                                            GREEDY=greedy, BLOCK=block, num_warps=8)
     _sample_combine_kernel[(rows,)](
-        logits, vocab, slice_size, inv_temp, seed, partial, partial_index, splits, rows, first_slot, column, finished,
-        sequence, tokens, positions, eos_table, out_tokens, out_logprobs, out_tokens.stride(0), longest, pad_id, GREEDY=greedy,
+        logits, vocab, slice_size, inv_temp, seed, partial, partial_index, splits, rows, column, finished, sequence,
+        tokens, positions, eos_table, out_tokens, out_logprobs, out_tokens.stride(0), longest, pad_id, GREEDY=greedy,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK=block, num_warps=8)
 
 
@@ -489,9 +483,9 @@ if triton is not None:
         if GREEDY:  # the first index holding the slice's max (argmax's tie rule)
             tl.store(index_ptr + at, tl.min(tl.where(lane_max == slice_max, lane_index, 2147483647), axis=0))
 
-    @triton.jit(do_not_specialize=["vocab", "slice_size", "splits", "rows", "first_slot", "out_stride", "longest"])
+    @triton.jit(do_not_specialize=["vocab", "slice_size", "splits", "rows", "out_stride", "longest"])
     def _sample_combine_kernel(logits_ptr, vocab, slice_size, inv_temp, seed_ptr, partial_ptr, index_ptr, splits, rows,
-                               first_slot, col_ptr, finished_ptr, sequence_ptr, tokens_ptr, positions_ptr, eos_table_ptr, out_tok_ptr,
+                               col_ptr, finished_ptr, sequence_ptr, tokens_ptr, positions_ptr, eos_table_ptr, out_tok_ptr,
                                out_lp_ptr, out_stride, longest, pad_id, GREEDY: tl.constexpr, BLOCK_S: tl.constexpr,
                                BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -512,7 +506,7 @@ if triton is not None:
         else:
             # Inverse CDF: one uniform per row; u * total is found first among the slices' masses, then
             # within the slice that holds it by a running sum over its tokens.
-            u = tl.rand(tl.load(seed_ptr) + column * 1048576, row + first_slot)
+            u = tl.rand(tl.load(seed_ptr) + column * 1048576, row)
             target = u * total
             cumulative = tl.cumsum(mass, axis=0)
             picked = tl.min(tl.where((cumulative > target) & (mass > 0), s, BLOCK_S), axis=0)

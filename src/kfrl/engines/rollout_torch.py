@@ -77,27 +77,6 @@ def warmup_stream(device):
     return _WARMUP_STREAMS[device]
 
 
-def stream_parts(rows: int) -> list[tuple[int, int]]:
-    """(first, end) row of each part of a decode step's batch (``kernels.DECODE_STREAMS``), in multiples
-    of 8 rows; one part when the batch is too small to split."""
-    parts = max(1, min(kernels.DECODE_STREAMS, rows // max(1, kernels.DECODE_STREAM_MIN_ROWS)))
-    if parts == 1:
-        return [(0, rows)]
-    size = -(-rows // parts // 8) * 8
-    return [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
-
-
-_DECODE_STREAMS: dict = {}
-
-
-def decode_streams(device, count: int) -> list:
-    """``count`` streams for the parts of a decode step, kept per device (see ``warmup_stream``)."""
-    kept = _DECODE_STREAMS.setdefault(device, [])
-    while len(kept) < count:
-        kept.append(torch.cuda.Stream(device=device))
-    return kept[:count]
-
-
 def capture(graph, pool, stream, run) -> None:
     """Record ``run()``'s kernels into ``graph`` on ``stream`` (the warm-up's: the cuBLAS workspace it
     made is the one the graph uses). Unlike ``torch.cuda.graph`` this neither synchronises the device
@@ -238,33 +217,18 @@ class TorchRollout:
         pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         check_every = CHECK_EVERY_GPU if self.use_cuda_graphs else 1
 
-        def step_rows(lo: int, hi: int) -> None:
-            rows = slice(lo, hi)
-            logits = self.decoder.decode(st.tokens[rows], st.positions[rows], st.cache[:, :, lo:], st.column,
-                                         st.attn_bias[rows], None if st.prompts is None else st.prompts.rows_from(lo))
-            state = dict(finished=st.finished[rows], sequence=st.sequence[rows], tokens=st.tokens[rows],
-                         positions=st.positions[rows], eos_table=self._eos_table, out_tokens=st.out_tokens,
+        def step(rows: int) -> None:
+            st.attn_bias[:rows].index_fill_(1, st.column, 0.0)
+            logits = self.decoder.decode(st.tokens[:rows], st.positions[:rows], st.cache, st.column,
+                                         st.attn_bias[:rows], st.prompts)
+            state = dict(finished=st.finished[:rows], sequence=st.sequence[:rows], tokens=st.tokens[:rows],
+                         positions=st.positions[:rows], eos_table=self._eos_table, out_tokens=st.out_tokens,
                          out_logprobs=st.out_logprobs, column=st.column, longest=longest, pad_id=self.pad_id)
             if fused_sampling:
                 kernels.sample_and_record(logits, temperature=params.temperature, greedy=not params.do_sample,
-                                          seed=seed, first_slot=lo, **state)
+                                          seed=seed, **state)
             else:
                 kernels.record_ref(*sample(logits), **state)
-
-        def step(rows: int) -> None:
-            st.attn_bias[:rows].index_fill_(1, st.column, 0.0)
-            bounds = stream_parts(rows) if self.use_cuda_graphs else [(0, rows)]
-            if len(bounds) == 1:
-                step_rows(0, rows)
-            else:  # each part on its own stream, joined before the column moves on
-                main = torch.cuda.current_stream()
-                streams = decode_streams(st.cache.device, len(bounds))
-                for (lo, hi), stream in zip(bounds, streams):
-                    stream.wait_stream(main)
-                    with torch.cuda.stream(stream):
-                        step_rows(lo, hi)
-                for stream in streams:
-                    main.wait_stream(stream)
             st.column += 1
 
         reported: set[int] = set()
