@@ -177,6 +177,27 @@ def test_same_seed_same_samples_and_micro_batches_keep_order(scripted):
 
 
 @pytest.mark.numerics
+def test_a_prompt_is_held_once_in_the_kv_cache_whatever_its_samples(scripted, monkeypatch):
+    """n samples of a prompt read its K/V from one place: the cache holds P prompts' columns once and
+    each sample's own columns after them; generations are those of the per-sample layout."""
+    from kfrl.engines import kernels
+
+    model_dir, _, tokenizer, prompts = scripted
+    engine = torch_engine(model_dir, tokenizer)
+    spec = engine.decoder.spec
+    params = SamplingParams(n=4, max_new_tokens=9, temperature=1.0)
+    longest, batch = max(len(p) for p in prompts), len(prompts) * 4
+    per_column = spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * 4  # float32 on the CPU
+    held = {}
+    for shared in (1, 0):
+        monkeypatch.setattr(kernels, "DECODE_SHARED_PROMPTS", shared)
+        held[shared] = ([g.response_ids for g in engine.generate_responses(prompts, params, seed=5)],
+                        engine.stats["kv_cache_bytes"])
+    assert held[1][0] == held[0][0]
+    assert held[1][1] == per_column * (len(prompts) * longest + batch * 8)
+    assert held[0][1] == per_column * batch * (longest + 8)
+
+
 def test_bucketed_compaction_with_filler_slots_matches_exact_compaction(scripted):
     """The GPU path compacts into batch buckets and fills the rest with finished slots; on CPU it
     compacts exactly. Both must give the same greedy tokens."""
@@ -407,6 +428,7 @@ def test_demo_config_trains_with_the_torch_backend(tmp_path):
     rollout_metrics = results[(2, "rollout")].metrics
     assert 1 <= rollout_metrics["response_length/mean"] <= 16
     assert 0 < rollout_metrics["timing_s/generate_sequences"] < rollout_metrics["timing_s/gen"]
+    assert 0 < rollout_metrics["perf/kv_cache_gib"] < 0.01
     assert 0.0 <= results[(2, "score")].metrics["critic/score/mean"] <= 1.0
     assert "val-core/kfrl/arith/acc/mean@1" in results[(2, "validate")].metrics
     assert results[(2, "update_actor")].metrics["actor/pg_loss"] == results[(2, "update_actor")].metrics["actor/pg_loss"]

@@ -115,7 +115,7 @@ class TorchRollout:
                            seed: int | None = None) -> list[Generation]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("the torch rollout backend needs at least one prompt token per prompt")
-        self.stats = {"graphs_captured": 0, "compactions": 0, "decode_steps": 0}
+        self.stats = {"graphs_captured": 0, "compactions": 0, "decode_steps": 0, "kv_cache_bytes": 0}
         step = self.micro_batch_size or len(prompts)
         out: list[Generation] = []
         for start in range(0, len(prompts), step):
@@ -155,6 +155,9 @@ class TorchRollout:
             out_tokens=torch.full((batch + 1, max_new), self.pad_id, dtype=torch.long, device=device),
             out_logprobs=torch.zeros((batch + 1, max_new), dtype=torch.float32, device=device))
 
+        held = [st.cache] + ([st.prompts.cache] if st.prompts is not None else [])
+        self.stats["kv_cache_bytes"] = max(self.stats.get("kv_cache_bytes", 0),
+                                           sum(t.numel() * t.element_size() for t in held))
         first_logits = self._prefill(prompts, n, longest, st)
         self._run_turn(st, batch, first_logits.repeat_interleave(n, dim=0), max_new, longest, params)
         return generations_from_tokens(st.out_tokens[:batch], st.out_logprobs[:batch], self.eos_ids)

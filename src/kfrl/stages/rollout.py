@@ -88,6 +88,7 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
     batch_size = cfg.gen_batch_size if dynamic else cfg.data.train_batch_size
     rewards = ctx.rewards(tokenizer) if dynamic else None  # DAPO's filter scores every generation batch
     generate_seconds: list[float] = []
+    kv_cache_bytes: list[int] = []  # the torch engine's largest KV cache of each call (0: another engine)
 
     multi_turn = cfg.rollout.multi_turn.enable
     pool = None
@@ -120,6 +121,7 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
         else:
             generations = engine.generate_responses(prompts, params, seed=ctx.seed("rollout", stream=k))
         generate_seconds.append(time.perf_counter() - started)
+        kv_cache_bytes.append(getattr(engine, "stats", {}).get("kv_cache_bytes", 0))
         return GenBatch(uids, records, prompts, generations, epoch)
 
     start = first_data_batch(ctx)
@@ -188,6 +190,8 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
         # The engine's generation alone; timing_s/gen is the whole stage (loading the policy, data, writing).
         "timing_s/generate_sequences": float(sum(generate_seconds)),
     }
+    if any(kv_cache_bytes):
+        metrics["perf/kv_cache_gib"] = max(kv_cache_bytes) / 2**30
     if dynamic:
         metrics["train/num_gen_batches"] = float(n_gen_batches)
     if multi_turn:
