@@ -451,7 +451,7 @@ def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = 
     the model has moved on, once the copy is done; with ``buffers_name`` into that ``HostBuffers``
     pool's tensors, which ``write`` gives back once the files are written. ``paced``: the weights files
     go through ``PacedWriter`` (written beside running stages)."""
-    from kfrl.models.hf_io import config_files, host_weights
+    from kfrl.models.hf_io import config_files, host_weights, write_hf_dir
     from kfrl.models.host_memory import HostCopy, host_buffers
     from kfrl.models.lora import is_lora_model
 
@@ -467,8 +467,6 @@ def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = 
         HostCopy(host_weights(model, dtype, state, buffers=buffers))
 
     def write(folder) -> None:
-        from kfrl.models.hf_io import write_hf_dir
-
         try:
             write_hf_dir(folder, configs, copying.result(), tokenizer, paced=paced)
         finally:
