@@ -334,16 +334,16 @@ def config_files(model: PreTrainedModel, dtype: torch.dtype | None = None) -> di
 
 
 def host_weights(model: PreTrainedModel, dtype: torch.dtype | None = None,
-                 state: dict[str, torch.Tensor] | None = None, *, copy: bool = False,
+                 state: dict[str, torch.Tensor] | None = None, *,
                  buffers: list[torch.Tensor] | None = None, later: bool = False):
     """The tensors a checkpoint of ``model`` (or of ``state``) holds, tied ones once, cast to ``dtype``,
     in host memory (page-locked when they come from an accelerator; see ``on_host``, also for ``buffers``).
-    ``copy``: never the model's own tensors, also on the CPU (for a write that outlives the call).
-    ``later``: a copy queued beside the stages that follow, returned as a ``HostCopy`` (``on_host_later``)."""
+    ``later``: a copy (never the model's own tensors, also on the CPU) queued beside the stages that
+    follow, returned as a ``HostCopy`` (``on_host_later``), for a write that outlives the call."""
     tensors = unique_state(state if state is not None else model.state_dict())
     if later:
         return on_host_later(tensors, dtype, buffers)
-    if copy or buffers is not None or any(t.device.type != "cpu" for t in tensors.values()):
+    if buffers is not None or any(t.device.type != "cpu" for t in tensors.values()):
         tensors = on_host(tensors, dtype, buffers)
     return unique_state(tensors, dtype)
 
