@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 # snapshots (an update's weights are then the only upload of an iteration), and the first trainer
 # state may be written after iteration 1 is recorded. The order holds either way: the commit kill
 # comes right after the registration kill (the fourth commit is among the next iteration's data
-# stages), the upload kill then lets an update commit with the lost trainer state rebuilt, and a fifth
-# iteration leaves a LATEST to move for the last kill.
+# stages), and a fifth iteration leaves a LATEST to move for the last kill. The update that rebuilds the
+# lost trainer state may be killed before its commit (on a fast machine the commit and upload kills
+# land there) and redone from the state it rebuilt, so the rebuild is checked in the logs.
 ITERATIONS = 5
 OVERRIDES = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4", "data.max_response_length=12",
              "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_generations=2", "trainer.save_freq=1",
@@ -66,23 +67,41 @@ def corrupt_commits(run_dir: Path) -> list[str]:
     return bad
 
 
+def lost_trainer_states(run_dir: Path) -> list[int]:
+    """Iterations whose actor update is committed and whose trainer state is not."""
+    return [int(folder.name.removeprefix("iter-")) for folder in sorted(run_dir.glob("iter-*"))
+            if (folder / "update_actor" / "_COMMITTED").is_file()
+            and not (folder / "actor_state" / "_COMMITTED").is_file() and folder.name != "iter-000000"]
+
+
 def test_kills_at_every_critical_moment_lose_and_repeat_nothing(tmp_path):
     reference = kfrl_train(tmp_path / "ref-store", tmp_path / "ref.db", "ref")
     assert reference.returncode == 0, reference.stderr[-3000:]
     store, db = tmp_path / "store", tmp_path / "chaos.db"  # the database does not exist yet
+    run_dir = store / "demo" / "chaos"
+    logs, lost = [], []
     for point in KILL_POINTS:
         killed = kfrl_train(store, db, "chaos", kill_at=point)
         assert killed.returncode == -9, f"{point} was not reached:\n{killed.stdout[-2000:]}{killed.stderr[-2000:]}"
+        logs.append(killed.stderr)
+        if point.startswith("trainer_state"):
+            lost = lost_trainer_states(run_dir)
+            assert lost, "the kill while a trainer state was written left every state committed"
     resumed = kfrl_train(store, db, "chaos")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    logs.append(resumed.stderr)
 
-    run_dir = store / "demo" / "chaos"
     assert (run_dir / "LATEST").read_text().strip() == str(ITERATIONS)
     assert corrupt_commits(run_dir) == []
-    # The trainer state lost to the kill was rebuilt by the update that needed it.
-    sources = [json.loads((run_dir / f"iter-{i:06d}" / "update_actor" / "_COMMITTED").read_text())["info"]["trainer_from"]
-               for i in range(1, ITERATIONS + 1)]
-    assert "rebuilt" in sources, sources
+    # A trainer state lost to the kill was rebuilt by the update that needed it, unless that update ran
+    # (and committed) in the killed process itself, on its resident copy. Which invocation rebuilds it
+    # depends on timing: the rebuilding update may itself be killed before its commit and be redone from
+    # the rebuilt state ("store"), so the log says it, not the final manifests.
+    sources = {i: json.loads((run_dir / f"iter-{i:06d}" / "update_actor" / "_COMMITTED").read_text())["info"]
+               ["trainer_from"] for i in range(1, ITERATIONS + 1)}
+    for iteration in lost:
+        rebuilt = any(f"the trainer state after iteration {iteration} " in log for log in logs)
+        assert rebuilt or sources.get(iteration + 1) == "memory", (iteration, sources)
     expected, expected_versions = recorded(tmp_path / "ref.db", "ref")
     history, versions = recorded(db, "chaos")
     assert [step for step, _ in history["critic/score/mean"]] == list(range(1, ITERATIONS + 1))  # none lost or twice
