@@ -10,16 +10,21 @@
 # part 15: 1.5B shape (kfrl full / bf16+AdamW8bit+checkpointing / offload, TRL full) and the GPU tests;
 # part 7b: 7B shape, LoRA only (kfrl with and without actor.use_liger, TRL + PEFT); part lean7b: the same with
 # gradient checkpointing on both sides.
+# part iter: one call's worth (about 9 minutes) after changes to the GPU paths: their CUDA tests, then the
+# 0.5B compiled run and the 1.5B liger run (TRL's precision), each beside TRL's run of the same shape.
 # Every run is the TRL workload (64 prompts x 4 samples, 133 + 256 tokens, one optimizer step).
+# The wheels the device image lacks (trl, datasets, pydantic, liger-kernel...: see stack-facts.md) are
+# carried in .whl/w (git-ignored; `carry: [".whl"]`) and installed into /tmp/site.
 set -u
 part=$1; out=$2
 mkdir -p "$out"
-export PYTHONPATH=$PWD/src:$PWD/bench
-python -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v -i warning | tail -2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/w/*.whl 2>&1 | grep -v -i warn | tail -2
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench PYTHONUNBUFFERED=1
 cd bench
 model=/tmp/kfrl-bench-model-$part
-case $part in 05|lean|mem05|liger05|share05|compile05) shape=0.5b ;; 15|lean15|mem15|liger15|share15|compile15) shape=1.5b ;;
-  *) shape=7b ;; esac
+case $part in 05|lean|mem05|liger05|share05|compile05|iter) shape=0.5b ;;
+  15|lean15|mem15|liger15|share15|compile15) shape=1.5b ;; *) shape=7b ;; esac
 python -c "import sys; from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model'), '$shape')"
 lora="model.lora_rank=64 model.lora_alpha=128 actor.lr=1e-5"
 kfrl() { name=$1; shift; timeout "${KFRL_LIMIT:-240}" python gpu_iteration.py --workload trl --prompt-tokens 133 --shape "$shape" \
@@ -64,6 +69,20 @@ case $part in
     kfrl bf16_compile --iterations 5 actor.master_dtype=bfloat16 actor.gradient_checkpointing=true \
       actor.use_torch_compile=true
     trl full --steps 5 ;;
+  iter)
+    model15=/tmp/kfrl-bench-model-iter15
+    (python -c "from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model15'), '1.5b')" \
+      > "$out/build15.log" 2>&1 && touch "$model15.built") &
+    (cd .. && timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_state_snapshots.py \
+      tests/test_rollout_torch.py -k "kernels_match or cuda or streams" 2>&1 | tail -2)
+    bf16="actor.master_dtype=bfloat16 actor.gradient_checkpointing=true"
+    KFRL_LIMIT=70 kfrl bf16_compile --iterations 5 $bf16 actor.use_liger=false actor.use_torch_compile=true
+    TRL_LIMIT=70 trl full --steps 4
+    wait  # the 1.5B model's build
+    [ -f "$model15.built" ] || { echo "the 1.5B build failed:"; tail -3 "$out/build15.log"; }
+    model=$model15 shape=1.5b KFRL_LIMIT=90 kfrl bf16_liger_15 --iterations 5 $bf16 actor.use_liger=true
+    model=$model15 shape=1.5b TRL_LIMIT=150 trl full_15 --steps 4
+    rm -rf "$model15" ;;
   7b)
     # micro-batches of 8 rows on both sides; TRL checkpoints gradients (its default), kfrl does not (with it,
     # measured 2026-12-06: 38% slower for 2 GiB less); kfrl once without, once with liger-kernel's kernels
