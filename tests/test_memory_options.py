@@ -104,6 +104,7 @@ def test_8bit_adamw_steps_a_large_tensor_in_pieces_with_the_values_of_one_whole_
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_8bit_adamw_step_of_a_large_tensor_holds_a_bounded_working_set():
     weight = torch.nn.Parameter(torch.randn(64 << 20, device="cuda", dtype=torch.bfloat16))
     weight.grad = torch.randn_like(weight)
