@@ -250,6 +250,28 @@ def test_a_training_copy_laid_out_for_the_decoder_trains_as_before_and_the_decod
                        attn.k_proj.weight)
 
 
+def test_compiled_blocks_over_a_laid_out_training_copy_give_the_eager_gradients_and_keep_it_shared():
+    """actor.use_torch_compile with the decoder sharing the training copy (bf16 master weights on CUDA):
+    the compiled blocks take q/k/v and gate/up weights that are views of one buffer."""
+    from kfrl.stages.update import compile_layers, share_with_decoder
+
+    torch.manual_seed(0)
+    model, plain = tiny().double(), tiny().double()
+    plain.load_state_dict(model.state_dict())
+    share_with_decoder(model)
+    assert compile_layers(model, backend="aot_eager") == model.config.num_hidden_layers
+    for trained in (model, plain):
+        trained.gradient_checkpointing_enable()
+        ids = torch.randint(0, trained.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
+        trained(input_ids=ids, labels=ids).loss.backward()
+    grads = {name: p.grad for name, p in plain.named_parameters()}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], rtol=1e-9, atol=1e-12, msg=name)
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
+
+
 def adapter(run: Run, stage: str, iteration: int) -> dict[str, torch.Tensor]:
     return load_file(run.store.committed_dir(run.manifest(stage, iteration)) / ADAPTER_WEIGHTS)
 

@@ -288,14 +288,15 @@ def model_dtype(model):
     return next(p for p in model.parameters() if p.requires_grad).dtype
 
 
-def compile_layers(model) -> int:
+def compile_layers(model, backend: str = "inductor") -> int:
     """Compile each transformer block of ``model`` in place with ``torch.compile`` (names and the state
     dict are unchanged): Inductor fuses the blocks' elementwise work (RMSNorm, rotary, SwiGLU, residual
     adds), forward and backward, which bounds a small model's update. The blocks share one compiled
-    graph. Returns the number of blocks compiled."""
+    graph. Returns the number of blocks compiled. (``backend``: tests trace with ``aot_eager``, which
+    checks the graphs' autograd without generating code.)"""
     layers = getattr(model.get_decoder(), "layers", [])
     for layer in layers:
-        layer.compile(dynamic=None)
+        layer.compile(dynamic=None, backend=backend)
     return len(layers)
 
 
