@@ -10,6 +10,8 @@
 # part 15: 1.5B shape (kfrl full / bf16+AdamW8bit+checkpointing / offload, TRL full) and the GPU tests;
 # part 7b: 7B shape, LoRA only (kfrl with and without actor.use_liger, TRL + PEFT); part lean7b: the same with
 # gradient checkpointing on both sides.
+# part micro15: the 0.5B rollout with the sampler's vocabulary slices of 5 blocks and of 1 (decode_step.py), and the
+# 1.5B liger run with micro-batches of 32 and of 64 rows (gradient accumulation halved).
 # part iter: one call's worth (about 9 minutes) after changes to the GPU paths: their CUDA tests, then the
 # 0.5B compiled run and the 1.5B liger run (TRL's precision), each beside TRL's run of the same shape.
 # Every run is the TRL workload (64 prompts x 4 samples, 133 + 256 tokens, one optimizer step).
@@ -24,7 +26,7 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench PYTHONUNBUFFERED=1
 cd bench
 model=/tmp/kfrl-bench-model-$part
 case $part in 05|lean|mem05|liger05|share05|compile05|iter) shape=0.5b ;;
-  15|lean15|mem15|liger15|share15|compile15) shape=1.5b ;; *) shape=7b ;; esac
+  15|lean15|mem15|liger15|share15|compile15|micro15) shape=1.5b ;; *) shape=7b ;; esac
 python -c "import sys; from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model'), '$shape')"
 lora="model.lora_rank=64 model.lora_alpha=128 actor.lr=1e-5"
 kfrl() { name=$1; shift; timeout "${KFRL_LIMIT:-240}" python gpu_iteration.py --workload trl --prompt-tokens 133 --shape "$shape" \
@@ -83,6 +85,15 @@ case $part in
     model=$model15 shape=1.5b KFRL_LIMIT=90 kfrl bf16_liger_15 --iterations 5 $bf16 actor.use_liger=true
     model=$model15 shape=1.5b TRL_LIMIT=150 trl full_15 --steps 4
     rm -rf "$model15" ;;
+  micro15)  # the sampler's slices (0.5B rollout, decode_step.py), then the 1.5B update's gradient accumulation:
+    # micro-batches of 32 rows (8 per step) against 64 (4 per step)
+    (cd .. && timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -1)
+    for programs in 2048 16384; do timeout 60 python decode_step.py --shape 0.5b --parts rollout \
+      --kernel-setting SAMPLE_PROGRAMS=$programs --label "programs$programs" --out "$out/decode_programs$programs.json" \
+      2>&1 | grep -E "SUMMARY|Error" | tail -2 | sed "s/^/sampler $programs /"; done
+    bf16="actor.master_dtype=bfloat16 actor.gradient_checkpointing=true actor.use_liger=true"
+    KFRL_LIMIT=90 kfrl bf16_liger_m32 --iterations 5 $bf16
+    KFRL_LIMIT=90 kfrl bf16_liger_m64 --iterations 5 $bf16 actor.ppo_micro_batch_size_per_gpu=64 ;;
   7b)
     # micro-batches of 8 rows on both sides; TRL checkpoints gradients (its default), kfrl does not (with it,
     # measured 2026-12-06: 38% slower for 2 GiB less); kfrl once without, once with liger-kernel's kernels

@@ -195,19 +195,23 @@ CHECKS = textwrap.dedent(r"""
     hot = torch.tensor([5, 900, 4095, 4096, 5000, 8000, 8191, 8192, 9000, 12287, 12288, vocab - 1])
     spread = torch.full((vocab,), -30.0)
     spread[hot] = torch.randn(len(hot), generator=g)
-    st = run(spread.to(device=device, dtype=dtype).expand(draws, -1).contiguous(), greedy=False, temperature=0.9, seed=7)
-    tokens = st["out_tokens"][:draws, 3].cpu()
-    assert torch.isin(tokens, hot).all(), "a token of negligible probability was drawn"
-    probabilities = torch.softmax(spread.to(dtype).double() / 0.9, -1)
-    expected = probabilities[hot] / probabilities[hot].sum()
-    observed = (tokens[:, None] == hot[None, :]).double().mean(0)
-    chi2 = float((draws * (observed - expected) ** 2 / expected).sum())
-    assert chi2 < 11 + 5 * (2 * 11) ** 0.5 + 10, ("sampling chi2 over slices", chi2)  # 11 degrees of freedom
-    lp = torch.log_softmax(spread.to(dtype).double() / 0.9, -1)[tokens]
-    assert torch.allclose(st["out_logprobs"][:draws, 3].cpu().double(), lp, atol=lp_tol(spread / 0.9), rtol=0), \
-        "sampled logprob over slices"
-    st = run(spread.to(device=device, dtype=dtype).expand(3, -1).contiguous(), greedy=True)
-    assert (st["out_tokens"][:3, 3].cpu() == hot[spread[hot].argmax()]).all(), "greedy over slices"
+    # SAMPLE_PROGRAMS 2048 at 600 rows: 4 slices of one block; 600: one slice of 4 blocks, scanned in turn.
+    for programs in (2048, 600):
+        kernels.SAMPLE_PROGRAMS = programs
+        st = run(spread.to(device=device, dtype=dtype).expand(draws, -1).contiguous(), greedy=False, temperature=0.9, seed=7)
+        tokens = st["out_tokens"][:draws, 3].cpu()
+        assert torch.isin(tokens, hot).all(), "a token of negligible probability was drawn"
+        probabilities = torch.softmax(spread.to(dtype).double() / 0.9, -1)
+        expected = probabilities[hot] / probabilities[hot].sum()
+        observed = (tokens[:, None] == hot[None, :]).double().mean(0)
+        chi2 = float((draws * (observed - expected) ** 2 / expected).sum())
+        assert chi2 < 11 + 5 * (2 * 11) ** 0.5 + 10, ("sampling chi2 over slices", programs, chi2)  # 11 degrees of freedom
+        lp = torch.log_softmax(spread.to(dtype).double() / 0.9, -1)[tokens]
+        assert torch.allclose(st["out_logprobs"][:draws, 3].cpu().double(), lp, atol=lp_tol(spread / 0.9), rtol=0), \
+            "sampled logprob over slices"
+        st = run(spread.to(device=device, dtype=dtype).expand(3, -1).contiguous(), greedy=True)
+        assert (st["out_tokens"][:3, 3].cpu() == hot[spread[hot].argmax()]).all(), "greedy over slices"
+    kernels.SAMPLE_PROGRAMS = 2048
     print("kernels ok")
 """)
 

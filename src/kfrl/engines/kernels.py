@@ -155,6 +155,10 @@ ATTENTION_SPLITS = 1
 # 1: a rollout's prompts are kept once in the KV cache, not once per sample (rope_attention's prompt
 # cache); 0: every sequence holds its prompt's columns (the layout before, for comparison).
 DECODE_SHARED_PROMPTS = 1
+# Programs the sampler's first kernel aims for (rows x vocabulary slices, at most 64 slices of one or more
+# 4,096-logit blocks): fewer programs mean longer slices, which the second kernel scans serially in the row
+# it samples. 2048 at 256 rows gives 8 slices of 5 blocks; 16384 gives slices of one block.
+SAMPLE_PROGRAMS = 2048
 
 _split_counters: dict = {}
 
@@ -242,7 +246,7 @@ def sample_and_record(logits, *, temperature: float, greedy: bool, seed: torch.T
     row would leave most of the GPU idle on a 152k vocabulary); each slice reports its max, its sum
     of exponentials and its best candidate, and a second kernel combines them per row."""
     rows, vocab = logits.shape
-    splits = max(1, min(64, triton.cdiv(2048, rows), triton.cdiv(vocab, 4096)))
+    splits = max(1, min(64, triton.cdiv(SAMPLE_PROGRAMS, rows), triton.cdiv(vocab, 4096)))
     block = 4096
     slice_size = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     partial = torch.empty((2, rows, splits), dtype=torch.float32, device=logits.device)
