@@ -218,8 +218,27 @@ class StageIO:
 
         setattr(owner, name, timed)
 
+    def count_collections(self) -> None:
+        """Python's cyclic collections during each stage, whatever thread ran them (a collection holds the
+        GIL, so every thread of the process waits): their seconds (``gc_s``) and the full ones (``gc_full``)."""
+        import gc
+
+        started = {}
+
+        def callback(phase: str, info: dict) -> None:
+            if phase == "start":
+                started["at"] = time.perf_counter()
+            elif "at" in started:
+                self.seconds["gc"] += time.perf_counter() - started.pop("at")
+                self.seconds["gc_full"] += info["generation"] == 2
+
+        gc.callbacks.append(callback)
+
     def take(self) -> dict[str, float]:
-        taken = {f"io_{label}_s": round(seconds, 4) for label, seconds in self.seconds.items()}
+        taken = {(label if label.startswith("gc") else f"io_{label}_s"): round(seconds, 4)
+                 for label, seconds in self.seconds.items() if label != "gc"}
+        if "gc" in self.seconds:
+            taken["gc_s"] = round(self.seconds["gc"], 4)
         self.seconds.clear()
         return taken
 
@@ -230,6 +249,7 @@ class StageIO:
         from kfrl.store import Attempt
 
         io = cls()
+        io.count_collections()
         io.wrap(StageContext, "read_groups", "read")
         io.wrap(batch, "write_group", "write")
         io.wrap(Attempt, "commit", "commit")

@@ -195,8 +195,9 @@ CHECKS = textwrap.dedent(r"""
     hot = torch.tensor([5, 900, 4095, 4096, 5000, 8000, 8191, 8192, 9000, 12287, 12288, vocab - 1])
     spread = torch.full((vocab,), -30.0)
     spread[hot] = torch.randn(len(hot), generator=g)
-    # SAMPLE_PROGRAMS 2048 at 600 rows: 4 slices of one block; 600: one slice of 4 blocks, scanned in turn.
-    for programs in (2048, 600):
+    # At 600 rows the default SAMPLE_PROGRAMS gives 4 slices of one block; 600, one slice of 4 blocks.
+    default_programs = kernels.SAMPLE_PROGRAMS
+    for programs in (default_programs, 600):
         kernels.SAMPLE_PROGRAMS = programs
         st = run(spread.to(device=device, dtype=dtype).expand(draws, -1).contiguous(), greedy=False, temperature=0.9, seed=7)
         tokens = st["out_tokens"][:draws, 3].cpu()
@@ -211,7 +212,18 @@ CHECKS = textwrap.dedent(r"""
             "sampled logprob over slices"
         st = run(spread.to(device=device, dtype=dtype).expand(3, -1).contiguous(), greedy=True)
         assert (st["out_tokens"][:3, 3].cpu() == hot[spread[hot].argmax()]).all(), "greedy over slices"
-    kernels.SAMPLE_PROGRAMS = 2048
+    kernels.SAMPLE_PROGRAMS = default_programs
+
+    # A vocabulary of 38 slices and a bit (the combine kernel's slice axis padded to 64): greedy finds the
+    # maximum in a far slice, sampling stays on the few tokens that carry the mass.
+    vocab = 38 * 4096 + 5
+    hot = torch.tensor([7, 40000, 100001, vocab - 1])
+    wide = torch.full((4, vocab), -40.0)
+    wide[:, hot] = torch.tensor([0.5, 1.0, 2.0, 1.5])
+    st = run(wide.to(device=device, dtype=dtype), greedy=True)
+    assert (st["out_tokens"][:4, 3].cpu() == 100001).all(), "greedy over 39 slices"
+    st = run(wide.to(device=device, dtype=dtype), greedy=False, seed=3)
+    assert torch.isin(st["out_tokens"][:4, 3].cpu(), hot).all(), "sampling over 39 slices"
     print("kernels ok")
 """)
 

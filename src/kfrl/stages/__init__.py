@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from kfrl.heap import settle_after_first_iteration
 from kfrl.results import StageResult
 from kfrl.run import stage_prefix
 from kfrl.stages.context import StageContext, StageInputError
@@ -203,6 +204,7 @@ def run_stage(stage: str, run_uri: str, iteration: int) -> StageResult:
     if stage not in SPECS:
         raise ValueError(f"unknown stage '{stage}'; stages are {', '.join(STAGES)}")
     spec = SPECS[stage]
+    settle_after_first_iteration(iteration)
     ctx = StageContext.open(run_uri, iteration)
     prefix = stage_prefix(iteration, stage)
     existing = ctx.store.manifest(prefix)
