@@ -359,6 +359,9 @@ def main() -> None:
     parser.add_argument("--keep-weights", type=int, default=0,
                         help="delete the policy weights of iterations older than the newest K as the run goes "
                              "(0: keep all); for shapes whose 20 iterations of weights fill the disk")
+    parser.add_argument("--no-state-reserve", action="store_true",
+                        help="do not build the trainer-state snapshot's host buffers on a thread ahead of it "
+                             "(HostBuffers.reserve): to see what that thread costs the stages beside it")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="a model folder built before (build_model_dir) instead of a new one")
     parser.add_argument("--smoke", action="store_true", help="the smoke shape and a small batch, on the CPU when no GPU "
@@ -425,12 +428,14 @@ def main() -> None:
 
     shape = AutoConfig.from_pretrained(model_dir)
     update.write_states_in_background(not args.per_task)
+    if args.no_state_reserve:  # the trainer-state buffers built when the first snapshot is due, not ahead
+        update.reserve_state_buffers = lambda *a, **k: False
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                "model": f"Qwen2.5-{args.shape.upper()} shape, random init" if args.shape != "smoke" else "smoke shape",
                "params": params, "shape": {k: getattr(shape, k, None) for k in SHAPES[args.shape]},
                "config": str(args.config) if args.config else None, "workload": args.workload,
                "mode": "per_task" if args.per_task else "resident", "cudnn_attention": args.cudnn_attention,
-               "trainer_state_freq": cfg.trainer.trainer_state_freq,
+               "trainer_state_freq": cfg.trainer.trainer_state_freq, "state_reserve": not args.no_state_reserve,
                "build_model_s": build_s, "prepare_s": prepare_s, "overrides": overrides, "iterations": []}
     # An iteration's wall time runs from its start to the next one's start: whatever the process waits
     # for in between (a trainer-state snapshot, a background commit, this script's own bookkeeping)

@@ -12,6 +12,8 @@
 # gradient checkpointing on both sides.
 # part micro15: the 0.5B rollout with the sampler's vocabulary slices of 5 blocks and of 1 (decode_step.py), and the
 # 1.5B liger run with micro-batches of 32 and of 64 rows (gradient accumulation halved).
+# part spread05: the 0.5B compiled run with and without the trainer-state buffers reserved ahead (the advantage
+# stage's spread), then the torch rollout's CUDA tests (run it on branch graph-pool to test that fix too).
 # part iter: one call's worth (about 9 minutes) after changes to the GPU paths: their CUDA tests, then the
 # 0.5B compiled run and the 1.5B liger run (TRL's precision), each beside TRL's run of the same shape.
 # Every run is the TRL workload (64 prompts x 4 samples, 133 + 256 tokens, one optimizer step).
@@ -94,6 +96,12 @@ case $part in
     bf16="actor.master_dtype=bfloat16 actor.gradient_checkpointing=true actor.use_liger=true"
     KFRL_LIMIT=90 kfrl bf16_liger_m32 --iterations 5 $bf16
     KFRL_LIMIT=90 kfrl bf16_liger_m64 --iterations 5 $bf16 actor.ppo_micro_batch_size_per_gpu=64 ;;
+  spread05)  # the advantage stage's spread: the 0.5B compiled run with the trainer-state buffers reserved on a
+    # thread ahead of the first snapshot (the default) and without; then the torch rollout's CUDA tests
+    bf16="actor.master_dtype=bfloat16 actor.gradient_checkpointing=true actor.use_liger=false actor.use_torch_compile=true"
+    KFRL_LIMIT=80 kfrl reserve --iterations 6 $bf16
+    KFRL_LIMIT=80 kfrl no_reserve --iterations 6 $bf16 --no-state-reserve
+    (cd .. && timeout 100 python -m pytest -q -p no:cacheprovider tests/test_rollout_torch.py -k cuda 2>&1 | tail -1) ;;
   7b)
     # micro-batches of 8 rows on both sides; TRL checkpoints gradients (its default), kfrl does not (with it,
     # measured 2026-12-06: 38% slower for 2 GiB less); kfrl once without, once with liger-kernel's kernels
