@@ -2,18 +2,16 @@
 runner, a cluster engine).
 
 Such a process holds a few hundred thousand long-lived objects once its first iteration has run: the
-modules of torch and transformers, the models, the tokenizers, compiled graphs. Python's cyclic
-collector walks all of them in every full (generation-2) collection, and the allocations of an ordinary
-stage (lists of a batch's values, Arrow conversions) trigger one now and then: in a smoke run of
-``bench/gpu_iteration.py`` on 2 CPU cores, 7 full collections took 718 ms in all, the longest 233 ms, in
-the middle of whichever stage happened to allocate (the advantage stage's spread of 0.04-0.36 s between
-iterations of the same work, on GPU machines).
+modules of torch and transformers, the models, the tokenizers, compiled graphs (~525k in a CPU run of
+``bench/gpu_iteration.py``). Python's cyclic collector walks all of them in every full (generation-2)
+collection, which the allocations of ordinary stages trigger now and then, in the middle of whichever stage
+happened to allocate: one took 0.42 s inside a 0.5B update on an H100 (docs/performance.md).
 
 Once the first iteration is over, everything alive then is frozen (``gc.freeze``: moved to a generation
 the collector does not walk), after one full collection so that no garbage is frozen with it. Later
-collections walk only what later iterations create. Objects frozen here are never freed by the cyclic
-collector until the process exits, so this happens once per process, after the iteration that loads what the process keeps.
-``KFRL_GC_FREEZE=0`` leaves the collector as Python has it.
+collections walk only what later iterations create. Objects frozen here are not freed by the cyclic
+collector until the process exits, so this happens once per process, after the iteration that loads what
+the process keeps. ``KFRL_GC_FREEZE=0`` leaves the collector as Python has it.
 """
 from __future__ import annotations
 
