@@ -193,13 +193,16 @@ def apply_kernel_settings(settings: list[str]) -> None:
 class StageIO:
     """Seconds a stage spends in reading its input groups, writing its column group and committing (kfrl's
     functions for those, wrapped in this process; the rest of a stage's wall time is its own work), so
-    that a stage that is slow in one iteration shows which of the three, or none, it waited in."""
+    that a stage that is slow in one iteration shows which of the three, or none, it waited in; and the
+    cyclic collections that ran during it (``count_collections``)."""
 
     def __init__(self) -> None:
         import collections
 
         self.seconds: dict[str, float] = collections.Counter()
         self._depth: dict[str, int] = collections.Counter()
+        self.gc_seconds = 0.0
+        self.gc_full = 0
 
     def wrap(self, owner, name: str, label: str) -> None:
         original = getattr(owner, name)
@@ -229,17 +232,16 @@ class StageIO:
             if phase == "start":
                 started["at"] = time.perf_counter()
             elif "at" in started:
-                self.seconds["gc"] += time.perf_counter() - started.pop("at")
-                self.seconds["gc_full"] += info["generation"] == 2
+                self.gc_seconds += time.perf_counter() - started.pop("at")
+                self.gc_full += info["generation"] == 2
 
         gc.callbacks.append(callback)
 
     def take(self) -> dict[str, float]:
-        taken = {(label if label.startswith("gc") else f"io_{label}_s"): round(seconds, 4)
-                 for label, seconds in self.seconds.items() if label != "gc"}
-        if "gc" in self.seconds:
-            taken["gc_s"] = round(self.seconds["gc"], 4)
+        taken = {f"io_{label}_s": round(seconds, 4) for label, seconds in self.seconds.items()}
+        taken.update(gc_s=round(self.gc_seconds, 4), gc_full=self.gc_full)
         self.seconds.clear()
+        self.gc_seconds, self.gc_full = 0.0, 0
         return taken
 
     @classmethod
