@@ -27,7 +27,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench PYTHONUNBUFFERED=1
 cd bench
 model=/tmp/kfrl-bench-model-$part
-case $part in 05|lean|mem05|liger05|share05|compile05|iter) shape=0.5b ;;
+case $part in 05|lean|mem05|liger05|share05|compile05|iter|spread05) shape=0.5b ;;
   15|lean15|mem15|liger15|share15|compile15|micro15) shape=1.5b ;; *) shape=7b ;; esac
 python -c "import sys; from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model'), '$shape')"
 lora="model.lora_rank=64 model.lora_alpha=128 actor.lr=1e-5"
