@@ -101,6 +101,9 @@ case $part in
     bf16="actor.master_dtype=bfloat16 actor.gradient_checkpointing=true actor.use_liger=false actor.use_torch_compile=true"
     KFRL_LIMIT=80 kfrl reserve --iterations 6 $bf16
     KFRL_LIMIT=80 kfrl no_reserve --iterations 6 $bf16 --no-state-reserve
+    # torch's CPU ops on one intra-op thread: a parallel region over 16 threads waits for its slowest, and
+    # the background writer and reservation threads keep cores busy
+    OMP_NUM_THREADS=1 KFRL_LIMIT=80 kfrl omp1 --iterations 6 $bf16
     (cd .. && timeout 100 python -m pytest -q -p no:cacheprovider tests/test_rollout_torch.py -k cuda 2>&1 | tail -1) ;;
   7b)
     # micro-batches of 8 rows on both sides; TRL checkpoints gradients (its default), kfrl does not (with it,
