@@ -203,6 +203,29 @@ def test_a_copy_made_beside_the_stages_holds_the_values_at_the_call_in_the_pool_
     assert copied["w"].data_ptr() == buffers[0].data_ptr()  # into the set, reused by the next copy
 
 
+def test_a_weights_pool_builds_a_spare_set_ahead_when_its_free_sets_run_out():
+    pool = host_memory.HostBuffers(spare_up_to=3)
+    source = {"w": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(2)}
+    first = pool.take()
+    assert first == [] and pool.sets == 1  # nothing to copy the layout of yet: allocated by the copy
+    host_memory.on_host_later(source, torch.bfloat16, first).result()
+    pool.give_back(first)  # its files are written
+    assert pool.take() is first and pool.sets == 2  # the last free set taken: a spare is being built
+    spare = pool.take()  # a snapshot due while the first is still being written gets the spare
+    assert [(tuple(t.shape), t.dtype) for t in spare] == [((2, 3), torch.bfloat16), ((2,), torch.bfloat16)]
+    assert {t.data_ptr() for t in spare}.isdisjoint(t.data_ptr() for t in first)
+    before = [t.data_ptr() for t in spare]
+    copied = host_memory.on_host_later(source, torch.bfloat16, spare).result()
+    assert [t.data_ptr() for t in spare] == before and torch.equal(copied["b"], torch.ones(2, dtype=torch.bfloat16))
+    assert pool.sets == 3 and pool.spares_built == 2  # taking the spare started the next, up to three sets
+    assert len(pool.take()) == 2 and pool.sets == 3
+    assert pool.take() == [] and pool.sets == 4  # past three: built on the spot, as without spares
+    unspared = host_memory.HostBuffers()
+    unspared.give_back(unspared.take())
+    unspared.take()
+    assert unspared.sets == 1 and unspared.spares_built == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_copy_from_cuda_runs_beside_the_next_kernels_and_keeps_the_values_at_the_call():
     big = torch.zeros(64, 2**20, device="cuda", dtype=torch.bfloat16)  # 128 MiB: ~2.5 ms over PCIe

@@ -128,26 +128,41 @@ class HostBuffers:
     every k-th): each snapshot copies into the tensors the one before it used, so none allocates (or
     page-locks) host memory once the first has. A snapshot still being written holds its set; the next
     takes another (``take``/``give_back``), so a slow write never has its memory changed under it.
-    ``reserve`` builds a set on a thread ahead of the first snapshot; ``take`` waits for it."""
+    ``reserve`` builds a set on a thread ahead of the first snapshot; ``take`` waits for it.
 
-    def __init__(self) -> None:
+    ``spare_up_to`` (the weights' pools): when a ``take`` leaves no free set and fewer than that many
+    exist, one more is built on a thread (the layout of the sets given back), so that a snapshot due
+    while the two before it are still being written finds a set ready instead of allocating one on the
+    critical path (3.1 GB for a 1.5B model's bf16 weights: a 2.38 s host copy was measured where the
+    disk fell behind, against 0.01-0.02 s)."""
+
+    def __init__(self, spare_up_to: int = 0) -> None:
         self._lock = threading.Lock()
         self._free: list[list[torch.Tensor]] = []
         self._reserving: threading.Thread | None = None
+        self._layout: list[tuple[tuple, torch.dtype, bool]] | None = None  # of the sets given back
+        self.spare_up_to = spare_up_to
         self.sets = 0  # sets allocated so far (two in steady state: one being written, one being filled)
+        self.spares_built = 0
 
     def take(self) -> list[torch.Tensor]:
-        reserving = self._reserving
-        if reserving is not None:
-            reserving.join()
         with self._lock:
             if self._free:
-                return self._free.pop()
+                taken = self._free.pop()
+                self._build_spare_if_short()
+                return taken
+            reserving = self._reserving
+        if reserving is not None:  # a set is being built: waiting for it beats building another here
+            reserving.join()
+            return self.take()
+        with self._lock:
             self.sets += 1
             return []
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
         with self._lock:
+            if buffers:
+                self._layout = [(tuple(t.shape), t.dtype, is_page_locked(t)) for t in buffers]
             self._free.append(buffers)
 
     def reserve(self, layout: list[tuple[tuple, torch.dtype, bool]]) -> bool:
@@ -156,31 +171,44 @@ class HostBuffers:
         with self._lock:
             if self.sets or self._reserving is not None:
                 return False
-            self.sets += 1
-
-            def build() -> None:
-                built = []
-                try:
-                    for shape, dtype, page_locked in layout:
-                        built.append(host_empty(shape, dtype, page_locked=page_locked))
-                finally:  # a partial set is still a head start: on_host fills in the rest
-                    with self._lock:
-                        self._free.append(built)
-                        self._reserving = None
-
-            self._reserving = threading.Thread(target=build, name="kfrl-host-buffers", daemon=True)
-            self._reserving.start()
+            self._build(layout)
             return True
+
+    def _build_spare_if_short(self) -> None:
+        if (not self._free and self._reserving is None and self._layout is not None
+                and self.sets < self.spare_up_to):
+            self._build(self._layout)
+            self.spares_built += 1
+
+    def _build(self, layout) -> None:
+        """(Holding the lock.) One more set for ``layout``, built on a thread."""
+        self.sets += 1
+
+        def build() -> None:
+            built = []
+            try:
+                for shape, dtype, page_locked in layout:
+                    built.append(host_empty(shape, dtype, page_locked=page_locked))
+            finally:  # a partial set is still a head start: on_host fills in the rest
+                with self._lock:
+                    self._free.append(built)
+                    self._reserving = None
+
+        self._reserving = threading.Thread(target=build, name="kfrl-host-buffers", daemon=True)
+        self._reserving.start()
 
 
 _HOST_BUFFERS: dict[str, HostBuffers] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def host_buffers(name: str) -> HostBuffers:
-    """This process's ``HostBuffers`` for the snapshots called ``name`` (e.g. ``weights/actor``)."""
+def host_buffers(name: str, spare_up_to: int = 0) -> HostBuffers:
+    """This process's ``HostBuffers`` for the snapshots called ``name`` (e.g. ``weights/actor``);
+    ``spare_up_to`` applies when the pool is made here."""
     with _POOLS_LOCK:
-        return _HOST_BUFFERS.setdefault(name, HostBuffers())
+        if name not in _HOST_BUFFERS:
+            _HOST_BUFFERS[name] = HostBuffers(spare_up_to)
+        return _HOST_BUFFERS[name]
 
 
 def on_host(tensors, dtype: torch.dtype | None = None, buffers: list[torch.Tensor] | None = None):

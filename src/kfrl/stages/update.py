@@ -381,6 +381,9 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
         parts = save_weights_later(ctx, attempt, model, tokenizer, mlflow_model=role.name == "actor",
                                    role_name=role.name)
         metrics.update({f"timing_s/save_checkpoint_{part}{suffix}": seconds for part, seconds in parts.items()})
+        from kfrl.models.host_memory import host_buffers
+
+        metrics[f"perf/weights_host_sets{suffix}"] = float(host_buffers(f"weights/{role.name}").sets)
     else:
         metrics[f"timing_s/save_checkpoint_files{suffix}"] = save_weights(ctx, attempt, model, tokenizer,
                                                                           mlflow_model=role.name == "actor")
@@ -461,7 +464,8 @@ def weights_writer(ctx: StageContext, model, tokenizer, *, mlflow_model: bool = 
         configs, write = _adapter_writer(ctx, model, tokenizer, registered=mlflow_model and state_required(
             ctx.config.trainer, ctx.iteration), paced=paced)
         return configs, write, None
-    pool = host_buffers(buffers_name) if buffers_name else None
+    # Three sets at most: one being written, one being filled, one spare built ahead for a slow disk.
+    pool = host_buffers(buffers_name, spare_up_to=3) if buffers_name else None
     buffers = pool.take() if pool is not None else None
     configs = config_files(model, dtype)
     copying = host_weights(model, dtype, state, buffers=buffers, later=True) if copy_beside else \
