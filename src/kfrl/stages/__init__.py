@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kfrl.heap import settle_after_first_iteration
+from kfrl.host_threads import settle_host_threads
 from kfrl.results import StageResult
 from kfrl.run import stage_prefix
 from kfrl.stages.context import StageContext, StageInputError
@@ -206,6 +207,7 @@ def run_stage(stage: str, run_uri: str, iteration: int) -> StageResult:
     spec = SPECS[stage]
     settle_after_first_iteration(iteration)
     ctx = StageContext.open(run_uri, iteration)
+    settle_host_threads(ctx.device)
     prefix = stage_prefix(iteration, stage)
     existing = ctx.store.manifest(prefix)
     if existing is not None:
