@@ -377,7 +377,7 @@ def test_cuda_graphs_give_the_eager_result(tmp_path, tiny, tiny_dir):
         eager = torch_engine(model_dir, tokenizer, device="cuda", dtype=torch.bfloat16, use_cuda_graphs=False)
         a = graphed.generate_responses(prompts, params)
         assert [g.response_ids for g in a] == [g.response_ids for g in eager.generate_responses(prompts, params)]
-        assert graphed.stats["graphs_captured"] >= 1
+        assert graphed.stats["graphs_captured"] >= 1 and graphed.stats["capture_host_s"] > 0
         sampled = SamplingParams(n=4, max_new_tokens=max_new, temperature=0.8)
         first = [g.response_ids for g in graphed.generate_responses(prompts, sampled, seed=1)]
         assert first == [g.response_ids for g in graphed.generate_responses(prompts, sampled, seed=1)]
@@ -446,6 +446,7 @@ def test_demo_config_trains_with_the_torch_backend(tmp_path):
     assert 1 <= rollout_metrics["response_length/mean"] <= 16
     assert 0 < rollout_metrics["timing_s/generate_sequences"] < rollout_metrics["timing_s/gen"]
     assert 0 < rollout_metrics["perf/kv_cache_gib"] < 0.01
+    assert "timing_s/rollout_graph_capture" not in rollout_metrics  # eager on the CPU: nothing captured
     assert 0.0 <= results[(2, "score")].metrics["critic/score/mean"] <= 1.0
     assert "val-core/kfrl/arith/acc/mean@1" in results[(2, "validate")].metrics
     assert results[(2, "update_actor")].metrics["actor/pg_loss"] == results[(2, "update_actor")].metrics["actor/pg_loss"]

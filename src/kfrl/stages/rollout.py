@@ -89,6 +89,7 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
     rewards = ctx.rewards(tokenizer) if dynamic else None  # DAPO's filter scores every generation batch
     generate_seconds: list[float] = []
     kv_cache_bytes: list[int] = []  # the torch engine's largest KV cache of each call (0: another engine)
+    capture_seconds: list[float] = []  # the torch engine's host seconds of CUDA-graph warm-up and capture
 
     multi_turn = cfg.rollout.multi_turn.enable
     pool = None
@@ -122,6 +123,7 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
             generations = engine.generate_responses(prompts, params, seed=ctx.seed("rollout", stream=k))
         generate_seconds.append(time.perf_counter() - started)
         kv_cache_bytes.append(getattr(engine, "stats", {}).get("kv_cache_bytes", 0))
+        capture_seconds.append(getattr(engine, "stats", {}).get("capture_host_s", 0.0))
         return GenBatch(uids, records, prompts, generations, epoch)
 
     start = first_data_batch(ctx)
@@ -192,6 +194,8 @@ def rollout(ctx: StageContext, inputs, attempt) -> tuple[dict, dict[str, float]]
     }
     if any(kv_cache_bytes):
         metrics["perf/kv_cache_gib"] = max(kv_cache_bytes) / 2**30
+    if any(capture_seconds):
+        metrics["timing_s/rollout_graph_capture"] = float(sum(capture_seconds))
     if dynamic:
         metrics["train/num_gen_batches"] = float(n_gen_batches)
     if multi_turn:
