@@ -13,7 +13,7 @@
 # part micro15: the 0.5B rollout with the sampler's vocabulary slices of 5 blocks and of 1 (decode_step.py), and the
 # 1.5B liger run with micro-batches of 32 and of 64 rows (gradient accumulation halved).
 # part spread05: the 0.5B compiled run with and without the trainer-state buffers reserved ahead (the advantage
-# stage's spread), then the torch rollout's CUDA tests (run it on branch graph-pool to test that fix too).
+# stage's spread) and with one intra-op thread, then the torch rollout's CUDA tests.
 # part iter: one call's worth (about 9 minutes) after changes to the GPU paths: their CUDA tests, then the
 # 0.5B compiled run and the 1.5B liger run (TRL's precision), each beside TRL's run of the same shape.
 # Every run is the TRL workload (64 prompts x 4 samples, 133 + 256 tokens, one optimizer step).
@@ -78,7 +78,7 @@ case $part in
     (python -c "from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model15'), '1.5b')" \
       > "$out/build15.log" 2>&1 && touch "$model15.built") &
     (cd .. && timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_state_snapshots.py \
-      tests/test_rollout_torch.py -k "kernels_match or cuda or streams" 2>&1 | tail -2)
+      tests/test_rollout_torch.py -k "kernels_match or cuda or streams" --tb=line -rf 2>&1 | grep -E "^FAILED|^/|passed|failed" | tail -12)
     bf16="actor.master_dtype=bfloat16 actor.gradient_checkpointing=true"
     KFRL_LIMIT=70 kfrl bf16_compile --iterations 5 $bf16 actor.use_liger=false actor.use_torch_compile=true
     TRL_LIMIT=70 trl full --steps 4
@@ -104,7 +104,8 @@ case $part in
     # torch's CPU ops on one intra-op thread: a parallel region over 16 threads waits for its slowest, and
     # the background writer and reservation threads keep cores busy
     OMP_NUM_THREADS=1 KFRL_LIMIT=80 kfrl omp1 --iterations 6 $bf16
-    (cd .. && timeout 100 python -m pytest -q -p no:cacheprovider tests/test_rollout_torch.py -k cuda 2>&1 | tail -1) ;;
+    (cd .. && timeout 100 python -m pytest -q -p no:cacheprovider tests/test_rollout_torch.py -k cuda --tb=line -rf 2>&1 \
+      | grep -E "^FAILED|^/|passed|failed" | tail -12) ;;
   7b)
     # micro-batches of 8 rows on both sides; TRL checkpoints gradients (its default), kfrl does not (with it,
     # measured 2026-12-06: 38% slower for 2 GiB less); kfrl once without, once with liger-kernel's kernels
