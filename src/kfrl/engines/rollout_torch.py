@@ -283,15 +283,17 @@ class TorchRollout:
                 with torch.cuda.stream(side):
                     step(active)
                 torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                capture(graph, pool, side, lambda: step(active))
-                graphs[active] = graph
+                # Held by ``graphs`` alone (no local name): they must be gone before their pool is dropped.
+                graphs[active] = torch.cuda.CUDAGraph()
+                capture(graphs[active], pool, side, lambda: step(active))
                 self.stats["graphs_captured"] += 1
                 self.stats["capture_host_s"] += time.perf_counter() - began
             self.stats["decode_steps"] += 1
         if graphs:
             torch.cuda.current_stream().synchronize()  # not the device: a copy to the host may run beside
-        graphs.clear()  # the graphs before their pool: the pool's memory goes back when both are gone
+        # The graphs before their pool: a MemPool dropped while a graph still uses it only marks the pool
+        # freeable (and older PyTorch asserts that nothing else uses it), so its memory would stay reserved.
+        graphs.clear()
         del pool_owner
 
     def _compact(self, st: _DecodeState, active: int, target: int, batch: int) -> None:
