@@ -194,3 +194,27 @@ def test_left_padding_for_generation():
     ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, device="cpu", width=4)
     assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]]
     assert mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
+
+
+def test_trajectories_from_a_table_put_each_prompt_before_its_response_and_vectors_make_the_same_columns():
+    from kfrl.trajectory import Trajectories
+
+    prompts, responses = [[11, 12, 13], [21], [31, 32]], [[1, 2], [3, 4, 5, 6], []]
+    table = pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
+                      "response_ids": pa.array(responses, pa.list_(pa.int32())),
+                      "response_mask": pa.array([[1] * len(r) for r in responses], pa.list_(pa.int32()))})
+    batch = Trajectories.from_table(table, pad_id=-7)
+    assert batch.input_ids.tolist() == [[11, 12, 13, 1, 2], [21, 3, 4, 5, 6], [31, 32, -7, -7, -7]]
+    assert batch.input_ids.dtype == torch.long and batch.lengths.tolist() == [2, 4, 0]
+    assert batch.attention_mask.tolist() == [[1] * 5, [1] * 5, [1, 1, 0, 0, 0]]
+    # Each response token's logits sit one position before it, in the row's own layout.
+    assert batch.gather_positions.tolist() == [[2, 3, 4, 4], [0, 1, 2, 3], [1, 1, 1, 1]]
+    values = torch.arange(12, dtype=torch.bfloat16).view(3, 4) / 3
+    vectors, lists = batch.unpad_vectors(values), batch.unpad(values)
+    assert [v.tolist() for v in vectors] == lists and [len(v) for v in lists] == [2, 4, 0]
+    columns = {"sample_id": ["a", "b", "c"], "token_level_rewards": vectors, "advantages": vectors, "returns": vectors}
+    listed = {**columns, "token_level_rewards": lists, "advantages": lists, "returns": lists}
+    assert make_table("advantage", columns).equals(make_table("advantage", listed))
+    with pytest.raises(BatchError, match="Trajectories.from_table: column 'prompt_ids' has 1 null row"):
+        Trajectories.from_table(table.set_column(0, "prompt_ids", pa.array([[1], None, [2]], pa.list_(pa.int32()))),
+                                pad_id=0)

@@ -404,36 +404,49 @@ def to_torch_padded(table: pa.Table, column: str, pad_value: float | int = 0,
     """
     import torch
 
-    if column not in table.column_names:
-        raise BatchError(f"to_torch_padded: no column {column!r} (columns: {table.column_names})",
-                         column=column)
-    array = table.column(column).combine_chunks()
-    if not pa.types.is_list(array.type) and not pa.types.is_large_list(array.type):
-        raise BatchError(f"to_torch_padded: column {column!r} has type {array.type}, expected a list",
-                         column=column)
-    if array.null_count:
-        raise BatchError(f"to_torch_padded: column {column!r} has {array.null_count} null row(s)",
-                         column=column)
-    lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False).astype(np.int64)
-    flat = array.flatten().to_numpy(zero_copy_only=False)
-    if not flat.flags.writeable:  # arrow buffers are read-only; torch warns on those
-        flat = flat.copy()
+    flat, lengths = list_column_values(table, column, "to_torch_padded")
     if dtype is None:
         dtype = torch.long if np.issubdtype(flat.dtype, np.integer) else torch.float32
     rows, width = len(lengths), int(lengths.max()) if len(lengths) else 0
     out = torch.full((rows, width), pad_value, dtype=dtype)
-    if flat.size:
-        row_index = np.repeat(np.arange(rows), lengths)
-        starts = np.cumsum(lengths) - lengths
-        col_index = np.arange(flat.size) - np.repeat(starts, lengths)
-        if side == "left":
-            col_index += np.repeat(width - lengths, lengths)
-        out[torch.from_numpy(row_index), torch.from_numpy(col_index)] = torch.from_numpy(flat).to(dtype)
+    scatter_rows(out, flat, lengths, (width - lengths) if side == "left" else 0)
     return out
+
+
+def list_column_values(table: pa.Table, column: str, caller: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the values of every row one after another, each row's length) of a list column; a missing
+    column, another type or a null row is a ``BatchError`` naming ``caller`` and the column."""
+    if column not in table.column_names:
+        raise BatchError(f"{caller}: no column {column!r} (columns: {table.column_names})", column=column)
+    array = table.column(column).combine_chunks()
+    if not pa.types.is_list(array.type) and not pa.types.is_large_list(array.type):
+        raise BatchError(f"{caller}: column {column!r} has type {array.type}, expected a list", column=column)
+    if array.null_count:
+        raise BatchError(f"{caller}: column {column!r} has {array.null_count} null row(s)", column=column)
+    lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = array.flatten().to_numpy(zero_copy_only=False)
+    if not flat.flags.writeable:  # arrow buffers are read-only; torch warns on those
+        flat = flat.copy()
+    return flat, lengths
+
+
+def scatter_rows(out: "torch.Tensor", flat: np.ndarray, lengths: np.ndarray, first_column=0) -> None:
+    """Writes row i's ``lengths[i]`` values (consecutive in ``flat``) into ``out[i]`` from column
+    ``first_column`` (a number, or one per row) on, in one indexed assignment."""
+    import torch
+
+    if not flat.size:
+        return
+    rows = len(lengths)
+    starts = np.cumsum(lengths) - lengths
+    row_index = np.repeat(np.arange(rows), lengths)
+    col_index = np.arange(flat.size) - np.repeat(starts, lengths)
+    col_index += np.repeat(np.broadcast_to(np.asarray(first_column, dtype=np.int64), (rows,)), lengths)
+    out[torch.from_numpy(row_index), torch.from_numpy(col_index)] = torch.from_numpy(flat).to(out.dtype)
 
 
 __all__ = [
     "GROUPS", "PER_TOKEN_COLUMNS", "OPTIONAL_COLUMNS", "FINISH_REASONS", "BatchError", "make_table", "validate",
-    "write_group", "read_group", "join", "to_torch_padded", "check_token_lengths",
+    "write_group", "read_group", "join", "to_torch_padded", "list_column_values", "scatter_rows", "check_token_lengths",
     "table_from_parquet_bytes",
 ]

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import torch
 
-from kfrl.batch import to_torch_padded
+from kfrl.batch import list_column_values, scatter_rows, to_torch_padded
 
 _INT_LISTS = pa.list_(pa.int32())
 _FLOAT_LISTS = pa.list_(pa.float32())
@@ -65,11 +66,15 @@ class Trajectories:
                    fields: tuple[str, ...] = ()) -> "Trajectories":
         """From a joined batch (``prompt_ids``, ``response_ids``, ``response_mask`` and the per-token
         ``fields`` present in the table). Per-token columns go from Arrow to tensors directly."""
-        prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
-        lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
-        prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        sequences = padded([p + r for p, r in zip(prompts, responses)], pad_value=pad_id)
-        width = max(1, int(lengths.max()) if len(responses) else 1)
+        prompt_values, prompt_lengths = list_column_values(table, "prompt_ids", "Trajectories.from_table")
+        response_values, lengths = list_column_values(table, "response_ids", "Trajectories.from_table")
+        # Each row's prompt then its response, right-padded, without a round trip through Python lists.
+        totals = prompt_lengths + lengths
+        sequences = torch.full((len(totals), int(totals.max()) if len(totals) else 0), pad_id, dtype=torch.long)
+        scatter_rows(sequences, prompt_values, prompt_lengths)
+        scatter_rows(sequences, response_values, lengths, prompt_lengths)
+        prompt_lengths, lengths = torch.from_numpy(prompt_lengths), torch.from_numpy(lengths)
+        width = max(1, int(lengths.max()) if len(lengths) else 1)
 
         def per_token(name: str, dtype) -> torch.Tensor:
             out = to_torch_padded(table, name, dtype=dtype)
@@ -112,3 +117,9 @@ class Trajectories:
         """(B, L) → one list per trajectory, as long as its response (what the Arrow columns hold)."""
         values = tensor.detach().float().cpu()
         return [row[:n].tolist() for row, n in zip(values, self.lengths.tolist())]
+
+    def unpad_vectors(self, tensor: torch.Tensor) -> list[np.ndarray]:
+        """``unpad`` as float32 numpy vectors (views of one copy; numpy pickles a view's own values only),
+        which ``batch.make_table`` turns into a list column in one concatenation, not value by value."""
+        values = tensor.detach().float().cpu().numpy()
+        return [values[i, :n] for i, n in enumerate(self.lengths.tolist())]

@@ -112,8 +112,8 @@ def advantage(ctx: StageContext, table, attempt) -> tuple[dict, dict[str, float]
         reward_dimensions=dimensions, reward_weights=algo.gdpo_reward_weights,
         old_logprobs=batch.get("old_logprobs"), sum_pi_squared=batch.get("sum_pi_squared"),
     )
-    columns = {"sample_id": table.column("sample_id").to_pylist(), "token_level_rewards": batch.unpad(rewards),
-               "advantages": batch.unpad(advantages), "returns": batch.unpad(returns)}
+    columns = {"sample_id": table.column("sample_id").to_pylist(), "token_level_rewards": batch.unpad_vectors(rewards),
+               "advantages": batch.unpad_vectors(advantages), "returns": batch.unpad_vectors(returns)}
     sequence_rewards = rewards.sum(-1)
     metrics.update({"critic/rewards/mean": float(sequence_rewards.mean()),
                     "critic/rewards/max": float(sequence_rewards.max()),
