@@ -115,8 +115,7 @@ class Trajectories:
 
     def unpad(self, tensor: torch.Tensor) -> list[list[float]]:
         """(B, L) → one list per trajectory, as long as its response (what the Arrow columns hold)."""
-        values = tensor.detach().float().cpu()
-        return [row[:n].tolist() for row, n in zip(values, self.lengths.tolist())]
+        return [row.tolist() for row in self.unpad_vectors(tensor)]
 
     def unpad_vectors(self, tensor: torch.Tensor) -> list[np.ndarray]:
         """``unpad`` as float32 numpy vectors (views of one copy; numpy pickles a view's own values only),
