@@ -21,7 +21,7 @@ def forward_values(model, batch: Trajectories, autocast_dtype=None) -> torch.Ten
     with autocast(device_type, autocast_dtype), inference.attention_kernels(device_type):
         # right-padded rows: a causal model needs no padding mask (see inference.response_hidden)
         mask = None if inference.causal_attention(model) else batch.attention_mask
-        logits = model(input_ids=batch.input_ids, attention_mask=mask).logits
+        logits = model(input_ids=batch.input_ids, attention_mask=mask, **inference.uncached(model)).logits
     per_position = logits.float().squeeze(-1)  # (B, T)
     return torch.gather(per_position, 1, batch.gather_positions)
 

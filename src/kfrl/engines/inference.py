@@ -7,6 +7,9 @@ and not.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from kfrl.engines import autocast
@@ -17,6 +20,24 @@ from kfrl.trajectory import Trajectories
 # vocabulary) are the largest tensor of the pass, about 1 GiB, whatever the batch. In training each
 # chunk's logits are recomputed in the backward pass instead of being kept.
 LOGIT_CHUNK_ELEMENTS = 2**28
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_use_cache(cls) -> bool:
+    try:
+        return "use_cache" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def uncached(model) -> dict[str, bool]:
+    """``use_cache=False`` for a forward pass of ``model`` (or of the model a PEFT wrapper holds), where
+    its forward takes the argument. transformers builds a KV cache whenever ``config.use_cache`` is on
+    and gradient checkpointing is not: every layer's keys and values copied into it (one ``torch.cat``
+    each) and, in a pass without gradients, all of them held until the pass returns, where otherwise
+    each layer's are freed after its attention. No pass over whole sequences reads that cache."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"use_cache": False} if _forward_takes_use_cache(type(base)) else {}
 
 
 def response_hidden(model, batch: Trajectories, layout=None) -> torch.Tensor:
@@ -31,7 +52,7 @@ def response_hidden(model, batch: Trajectories, layout=None) -> torch.Tensor:
     # and the mask would change nothing that is read. Without one, SDPA runs causal (flash on CUDA) and no
     # (B, 1, T, T) mask is built; rows with padding would otherwise take the masked kernel. Even an
     # all-ones mask cost a 0.5B micro-batch's body 0.118 s against 0.105 (H200, profile_update.json).
-    hidden = decoder(input_ids=batch.input_ids).last_hidden_state
+    hidden = decoder(input_ids=batch.input_ids, **uncached(decoder)).last_hidden_state
     index = batch.gather_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     return torch.gather(hidden, 1, index)
 

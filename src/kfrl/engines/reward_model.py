@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kfrl.engines import autocast
+from kfrl.engines.inference import uncached
 
 
 @torch.no_grad()
@@ -23,6 +24,7 @@ def reward_model_scores(model, tokenizer, conversations: list[list[dict]], *, mi
         encoded = tokenizer(texts[start:start + micro_batch_size], return_tensors="pt", padding=True,
                             padding_side="right", add_special_tokens=False).to(device)
         with autocast(device.type, autocast_dtype):
-            logits = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
+            logits = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
+                           **uncached(model)).logits
         scores.extend(logits[:, 0].float().tolist())
     return scores

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kfrl.engines.inference import uncached
+
 ATTENTION_NAME = "kfrl_shared_prompt"
 LAYOUT_ARGUMENT = "shared_prompt_layout"
 # Decoders whose HF implementation hands its forward's extra keyword arguments down to the attention
@@ -196,5 +198,6 @@ def packed_hidden(decoder, input_ids: torch.Tensor, layout: SharedPromptLayout) 
     """The decoder's final hidden states (b, L, H) at the positions that predict each response token,
     computed over the packed layout."""
     packed = input_ids[layout.source_rows, layout.source_cols]
-    hidden = decoder(input_ids=packed, position_ids=layout.position_ids, **{LAYOUT_ARGUMENT: layout}).last_hidden_state
+    hidden = decoder(input_ids=packed, position_ids=layout.position_ids, **{LAYOUT_ARGUMENT: layout},
+                     **uncached(decoder)).last_hidden_state
     return hidden.flatten(0, 1)[layout.gather]

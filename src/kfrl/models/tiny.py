@@ -29,6 +29,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QW
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 from kfrl.data.synthetic import make_arith_rows
+from kfrl.engines.inference import uncached
 from kfrl.models import cache_dir
 from kfrl.rewards.gsm8k import extract_solution
 
@@ -310,6 +311,7 @@ def sft_warm_start(
             input_ids=data.input_ids[batch].to(device),
             attention_mask=data.attention_mask[batch].to(device),
             position_ids=data.position_ids[batch].to(device),
+            **uncached(model),
         ).logits
         loss = response_token_loss(logits, data.labels[batch].to(device))
         optimizer.zero_grad(set_to_none=True)
