@@ -16,6 +16,8 @@
 # stage's spread) and with one intra-op thread, then the torch rollout's CUDA tests.
 # part iter: one call's worth (about 9 minutes) after changes to the GPU paths: their CUDA tests, then the
 # 0.5B compiled run and the 1.5B liger run (TRL's precision), each beside TRL's run of the same shape.
+# part lora05 / lora7b: LoRA (rank 64, all-linear) with kfrl's LoRA linear (kfrl.models.lora_linear, the default)
+# and with PEFT's own forward (KFRL_LORA_LINEAR=peft), then TRL + PEFT; lora7b with liger-kernel, micro-batches of 8.
 # Every run is the TRL workload (64 prompts x 4 samples, 133 + 256 tokens, one optimizer step).
 # The wheels the device image lacks (trl, datasets, pydantic, liger-kernel...: see stack-facts.md) are
 # carried in .whl/w (git-ignored; `carry: [".whl"]`) and installed into /tmp/site.
@@ -27,7 +29,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench PYTHONUNBUFFERED=1
 cd bench
 model=/tmp/kfrl-bench-model-$part
-case $part in 05|lean|mem05|liger05|share05|compile05|iter|spread05) shape=0.5b ;;
+case $part in 05|lean|mem05|liger05|share05|compile05|iter|spread05|lora05) shape=0.5b ;;
   15|lean15|mem15|liger15|share15|compile15|micro15) shape=1.5b ;; *) shape=7b ;; esac
 python -c "import sys; from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model'), '$shape')"
 lora="model.lora_rank=64 model.lora_alpha=128 actor.lr=1e-5"
@@ -113,6 +115,15 @@ case $part in
     KFRL_LIMIT=${KFRL_LIMIT:-200} kfrl lora_liger --iterations 4 $lora actor.ppo_micro_batch_size_per_gpu=8 \
       actor.use_liger=true --keep-weights 1
     TRL_LIMIT=${TRL_LIMIT:-270} trl lora --steps 3 --micro 8 --lora-rank 64 --lora-alpha 128 ;;
+  lora05)
+    KFRL_LIMIT=90 kfrl lora_fused --iterations 5 $lora
+    KFRL_LORA_LINEAR=peft KFRL_LIMIT=90 kfrl lora_peft --iterations 5 $lora
+    TRL_LIMIT=120 trl lora --steps 4 --lora-rank 64 --lora-alpha 128 ;;
+  lora7b)
+    micro8="actor.ppo_micro_batch_size_per_gpu=8 actor.use_liger=true --keep-weights 1"
+    KFRL_LIMIT=${KFRL_LIMIT:-150} kfrl lora_liger_fused --iterations 3 $lora $micro8
+    KFRL_LORA_LINEAR=peft KFRL_LIMIT=${KFRL_LIMIT:-150} kfrl lora_liger_peft --iterations 3 $lora $micro8
+    TRL_LIMIT=${TRL_LIMIT:-220} trl lora --steps 3 --micro 8 --lora-rank 64 --lora-alpha 128 ;;
   lean7b)  # 7B LoRA with gradient checkpointing on both sides (TRL's default) and liger-kernel's kernels
     KFRL_LIMIT=${KFRL_LIMIT:-150} kfrl lora_ckpt_liger --iterations 3 $lora actor.ppo_micro_batch_size_per_gpu=8 \
       actor.gradient_checkpointing=true actor.use_liger=true --keep-weights 1

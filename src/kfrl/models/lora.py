@@ -16,6 +16,8 @@ from typing import Mapping
 
 import torch
 
+from kfrl.models.lora_linear import fuse_lora_linears
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The prefix PEFT gives every saved key, and the infixes of the LoRA factors' names in a saved adapter.
@@ -77,6 +79,7 @@ def add_adapters(model, spec: LoraSpec, *, seed: int, value_head: bool = False):
     for param in peft_model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()  # adapters train in fp32 over a base in the compute dtype
+    fuse_lora_linears(peft_model)
     return peft_model
 
 
