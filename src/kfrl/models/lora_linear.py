@@ -4,8 +4,10 @@ PEFT's ``lora.Linear`` computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling
 fp32 over a bf16 base under autocast (how kfrl trains LoRA on a GPU), each call first copies the
 activation ``x`` to fp32 (the adapters' dtype), autocast copies it back to bf16 for ``lora_A``, and the
 scaling and the sum are two more passes over the output; the backward pass repeats the casts, and
-autograd keeps a bf16 copy of ``x`` per adapted module (q, k and v each hold their own). At a 7B shape
-those passes move about as many bytes per token as the layer's weights are large.
+autograd keeps a bf16 copy of ``x`` per adapted module (q, k and v each hold their own). At the Qwen2.5-7B
+shape (all-linear) those passes read and write about 1 MB per token and layer in the forward pass (12
+bytes per input element for the two casts, 10 per output element for the scaling and the sum): 85 GB for
+a micro-batch of 8 x 389 tokens, some 28 ms at 3 TB/s, and as much again backward (an estimate).
 
 Here the scaling is folded into ``B`` (a small ``(out, r)`` matrix), the low-rank product is added by
 the GEMM that writes the output (``addmm_`` into the base's result), and the gradient of ``x`` is summed
