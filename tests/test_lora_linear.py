@@ -65,6 +65,7 @@ def test_every_plain_lora_linear_is_fused_and_peft_mode_fuses_none(monkeypatch):
         fuse_lora_linears(plain)
 
 
+@pytest.mark.numerics
 def test_fused_equals_peft_in_float64_outputs_and_gradients(monkeypatch, input_ids):
     ours = loss_and_grads(lora_model("fused", monkeypatch), input_ids)
     theirs = loss_and_grads(lora_model("peft", monkeypatch), input_ids)
@@ -78,6 +79,7 @@ def test_fused_equals_peft_in_float64_outputs_and_gradients(monkeypatch, input_i
     assert any(float(g.abs().max()) > 0 for name, g in ours[3].items() if "lora_A" in name)
 
 
+@pytest.mark.numerics
 def test_fused_bf16_is_close_to_peft_and_saves_less_for_backward(monkeypatch, input_ids):
     """A bf16 base with fp32 adapters under bf16 autocast, as on a GPU: PEFT copies each module's input to
     fp32 and autograd keeps a bf16 copy per module; the fused layer keeps the input it was handed."""
