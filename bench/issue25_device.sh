@@ -32,6 +32,9 @@ model=/tmp/kfrl-bench-model-$part
 case $part in 05|lean|mem05|liger05|share05|compile05|iter|spread05|lora05) shape=0.5b ;;
   15|lean15|mem15|liger15|share15|compile15|micro15) shape=1.5b ;; *) shape=7b ;; esac
 python -c "import sys; from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model'), '$shape')"
+# The model's pages on disk before any run: written back during a run, they made its manifests' fsyncs wait
+# for the journal (0.5-0.75 s stalls in the ninth session's 1.5B calls).
+sync
 lora="model.lora_rank=64 model.lora_alpha=128 actor.lr=1e-5"
 kfrl() { name=$1; shift; timeout "${KFRL_LIMIT:-240}" python gpu_iteration.py --workload trl --prompt-tokens 133 --shape "$shape" \
     --model-dir "$model" --out "$out/kfrl_${part}_$name.json" "$@" > "$out/kfrl_${part}_$name.log" 2>&1; \
@@ -78,7 +81,7 @@ case $part in
   iter)
     model15=/tmp/kfrl-bench-model-iter15
     (python -c "from pathlib import Path; from gpu_iteration import build_model_dir; build_model_dir(Path('$model15'), '1.5b')" \
-      > "$out/build15.log" 2>&1 && touch "$model15.built") &
+      > "$out/build15.log" 2>&1 && sync && touch "$model15.built") &
     (cd .. && timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_state_snapshots.py \
       tests/test_rollout_torch.py -k "kernels_match or cuda or streams" --tb=line -rf 2>&1 | grep -E "^FAILED|^/|passed|failed" | tail -12)
     bf16="actor.master_dtype=bfloat16 actor.gradient_checkpointing=true"
