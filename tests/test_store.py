@@ -116,6 +116,26 @@ def test_any_prefix_can_be_committed_and_rerun_is_skippable(store):
     assert not store.is_committed("exp/run1/data/test")
 
 
+def test_parquet_batches_dictionary_encode_strings_only_and_read_back_equal(store, tmp_path):
+    import io
+
+    import pyarrow.parquet as pq
+
+    table = pa.table({"uid": ["g0", "g0", "g1"], "response_ids": pa.array([[5, 9, 151000], [7], []], pa.list_(pa.int32())),
+                      "rollout_logprobs": pa.array([[-0.5, -1.0, -2.0], [-0.1], []], pa.list_(pa.float32())),
+                      "score": [1.0, 0.0, 0.5]})
+    attempt = store.open_attempt("exp/run1/iter-000001/rollout")
+    attempt.write_parquet("part-00000.parquet", table)
+    manifest = attempt.commit()
+    data = (store.download(manifest, tmp_path / "copy") / "part-00000.parquet").read_bytes()
+    assert pq.read_table(io.BytesIO(data)).equals(table)
+    row_group = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0)
+    encodings = {row_group.column(i).path_in_schema: row_group.column(i).encodings for i in range(row_group.num_columns)}
+    assert any("DICTIONARY" in e for e in encodings["uid"]), encodings
+    for column in ("response_ids.list.element", "rollout_logprobs.list.element", "score"):
+        assert not any("DICTIONARY" in e for e in encodings[column]), (column, encodings[column])
+
+
 def test_upload_dir_and_download_cache(store, tmp_path):
     src = tmp_path / "ckpt"
     (src / "nested").mkdir(parents=True)
