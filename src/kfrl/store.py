@@ -685,6 +685,7 @@ class Store:
         finally:
             tmp.unlink(missing_ok=True)
 
+
 def dictionary_columns(schema: "pyarrow.Schema") -> list[str]:
     """The columns a Parquet batch dictionary-encodes: strings, whose values repeat (a prompt group's uid,
     a data source). Token ids and per-token floats gain nothing from a dictionary (150k distinct ids

@@ -21,7 +21,9 @@ the same way::
 are PEFT's up to the rounding of the compute dtype (one rounding of the sum instead of three); tests
 compare them in float64. PEFT keeps building, saving and loading the adapters: only the forward of its
 plain LoRA linears (no dropout, no DoRA, one adapter, base ``nn.Linear``) is replaced, and a model whose
-adapters are disabled (the reference policy) or merged runs PEFT's own.
+adapters are disabled (the reference policy) or merged runs PEFT's own. (Saving the frozen weight for the
+backward pass is what ``F.linear`` does too; DeepSpeed ZeRO-3, which empties partitioned weights in place
+and so needs its own linear function, is refused with LoRA by the config.)
 """
 from __future__ import annotations
 
@@ -83,11 +85,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     adapters = self.active_adapters
     base = self.base_layer
-    # DeepSpeed ZeRO-3 empties a partitioned weight in place after the forward pass and gathers it again
-    # through its own linear function, which a weight saved here would bypass: PEFT's forward there.
     if (self.disable_adapters or self.merged or args or kwargs or len(adapters) != 1 or adapters[0] not in self.lora_A
-            or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)
-            or hasattr(base.weight, "ds_id")):
+            or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
         return self._kfrl_peft_forward(x, *args, **kwargs)
     name = adapters[0]
     return LowRankLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
