@@ -383,7 +383,7 @@ def update(ctx: StageContext, role: Role, optim_cfg, table, attempt) -> dict[str
         metrics.update({f"timing_s/save_checkpoint_{part}{suffix}": seconds for part, seconds in parts.items()})
         from kfrl.models.host_memory import host_buffers
 
-        metrics[f"perf/weights_host_sets{suffix}"] = float(host_buffers(f"weights/{role.name}").sets)
+        metrics[f"perf/weights_host_sets{suffix}"] = float(host_buffers(weights_buffers_name(role.name)).sets)
     else:
         metrics[f"timing_s/save_checkpoint_files{suffix}"] = save_weights(ctx, attempt, model, tokenizer,
                                                                           mlflow_model=role.name == "actor")
@@ -524,6 +524,11 @@ def save_weights(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: 
     return written
 
 
+def weights_buffers_name(role_name: str) -> str:
+    """The host-buffer pool (``kfrl.models.host_memory.host_buffers``) of a role's weights snapshots."""
+    return f"weights/{role_name}"
+
+
 def save_weights_later(ctx: StageContext, attempt, model, tokenizer, *, mlflow_model: bool = False,
                        role_name: str = "actor") -> dict[str, float]:
     """``save_weights`` for a process that lives on (the resident engine, the inline runner): the weights
@@ -539,7 +544,7 @@ def save_weights_later(ctx: StageContext, attempt, model, tokenizer, *, mlflow_m
 
     started = time.perf_counter()
     configs, write, copying = weights_writer(ctx, model, tokenizer, mlflow_model=mlflow_model, copy_beside=True,
-                                             buffers_name=f"weights/{role_name}",
+                                             buffers_name=weights_buffers_name(role_name),
                                              paced=ctx.iteration != ctx.config.trainer.total_iterations)
     if copying is not None:
         _WEIGHTS_COPIES[role_name] = copying
